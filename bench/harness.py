@@ -1,0 +1,59 @@
+"""What every kernel benchmark shares: the case record, timing, and the copy-bandwidth ceiling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Case:
+    """One implementation of one op at one shape.
+
+    ``bytes_moved`` is the floor an implementation must move: each input read once, each
+    output written once (Triton tutorial 02 counts the same way), so GB/s compares
+    implementations on the same footing whatever they actually move.
+    """
+
+    op: str
+    shape: str
+    dtype: str
+    impl: str
+    fn: Callable[[], object]
+    bytes_moved: int
+
+
+def median_us(fn: Callable[[], object], rep_ms: int = 200) -> float:
+    """Median of CUDA-event timings after warm-up (triton.testing.do_bench), in microseconds."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median") * 1e3
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy of ``nbytes``, counting bytes read plus bytes written: the ceiling."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def maybe_compile(fn: Callable) -> Callable | None:
+    """``torch.compile(fn)``, or None where it cannot build here (reported, not hidden)."""
+    try:
+        return torch.compile(fn, dynamic=False)
+    except Exception as exc:  # noqa: BLE001 - a baseline that fails to build is skipped, with the reason printed
+        print(f"torch.compile unavailable: {exc}")
+        return None
+
+
+def flashinfer_sampling():
+    """``flashinfer.sampling`` where the wheels were carried and installed, else None."""
+    try:
+        import flashinfer.sampling as fs
+    except ImportError:
+        return None
+    return fs

@@ -1,0 +1,36 @@
+"""logitserve's operators: Triton kernels behind descriptors (plans), with a torch reference.
+
+Every function takes ``backend=`` (``"auto"``, ``"triton"``, ``"interpret"``, ``"torch"``);
+``"auto"`` runs Triton on CUDA tensors and the torch reference on CPU tensors. Each op's plan
+class validates a layout once and then launches with no further checks; the functions find
+plans through a bounded cache.
+"""
+
+from ._backend import BACKENDS, resolve_backend
+from ._plan import FLOAT_DTYPES, TensorSpec, clear_plan_caches, plan_cache_size
+from .activation import SiluPlan, SwigluPlan, silu, swiglu
+from .causal_softmax import CausalSoftmaxPlan, causal_softmax
+from .sample import SamplePlan, sample
+from .softmax import SoftmaxPlan, softmax
+from .topk_softmax import TopkSoftmaxPlan, topk_softmax
+
+__all__ = [
+    "BACKENDS",
+    "FLOAT_DTYPES",
+    "CausalSoftmaxPlan",
+    "SamplePlan",
+    "SiluPlan",
+    "SoftmaxPlan",
+    "SwigluPlan",
+    "TensorSpec",
+    "TopkSoftmaxPlan",
+    "causal_softmax",
+    "clear_plan_caches",
+    "plan_cache_size",
+    "resolve_backend",
+    "sample",
+    "silu",
+    "softmax",
+    "swiglu",
+    "topk_softmax",
+]

@@ -1,0 +1,79 @@
+"""What every descriptor (plan) shares: the tensor layout it was made for and a bounded cache.
+
+A plan is made once from a layout (:class:`TensorSpec`) and static options, validates them,
+and then launches with no further checks. The functional API finds plans through
+:func:`plan_cache`, keyed by everything the plan was made from.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# Plans are small (a few Python objects); the bound only stops a stream of distinct shapes
+# from growing memory without limit. 512 holds every (op, dtype, shape class) a server warms.
+PLAN_CACHE_SIZE = 512
+
+_caches: list = []
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The layout of one tensor: what a plan is created from, and part of its cache key."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorSpec":
+        return cls(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def check_dtype(name: str, dtype: torch.dtype, allowed: tuple[torch.dtype, ...]) -> None:
+    """Raise ``TypeError`` naming the argument when its dtype is not one of ``allowed``."""
+    if dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(f"{name}: dtype must be one of {names}, got {str(dtype).removeprefix('torch.')}")
+
+
+def check_same_device(name: str, spec: TensorSpec, device: torch.device) -> None:
+    if spec.device != device:
+        raise ValueError(f"{name}: must be on {device}, got {spec.device}")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Kernels compute in float32, and in float64 for float64 input."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def plan_cache(plan_cls):
+    """Wrap a plan class in a bounded LRU cache: equal arguments give the same plan object."""
+    cached = functools.lru_cache(maxsize=PLAN_CACHE_SIZE)(plan_cls)
+    _caches.append(cached)
+    return cached
+
+
+def clear_plan_caches() -> None:
+    for cached in _caches:
+        cached.cache_clear()
+
+
+def plan_cache_size() -> int:
+    """Plans held across every op's cache (the server reports it as a metric)."""
+    return sum(cached.cache_info().currsize for cached in _caches)

@@ -1,0 +1,42 @@
+"""Shared fixtures: which backends run here, and the comparison and poisoning helpers.
+
+On a machine without CUDA the kernels are tested through the torch reference and through
+Triton's interpreter; where CUDA is present the compiled Triton backend joins them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+# Backends the kernel tests run on this machine, each with the device its tensors live on.
+BACKEND_DEVICES = {"torch": "cpu", "interpret": "cpu"}
+if HAS_CUDA:
+    BACKEND_DEVICES["triton"] = "cuda"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+
+
+@pytest.fixture(params=sorted(BACKEND_DEVICES))
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def device(backend) -> torch.device:
+    return torch.device(BACKEND_DEVICES[backend])
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A fresh generator per test, seeded from the test's random state so failures replay."""
+    g = torch.Generator()
+    g.manual_seed(torch.randint(0, 2**31 - 1, ()).item())
+    return g
