@@ -1,0 +1,14 @@
+# Source this on the lent GPU machine (bash): makes `import logitserve.*` work from this
+# checkout without pip (that machine has no network) and installs any wheels carried in .whl/.
+#   source scripts/device_env.sh
+site=/tmp/logitserve-site
+mkdir -p "$site/logitserve"
+ln -sfn "$PWD/kernels" "$site/logitserve/kernels"
+ln -sfn "$PWD/server" "$site/logitserve/server"
+ln -sfn "$PWD/client" "$site/logitserve/client"
+ln -sfn "$PWD/protos/logitserve/v1" "$site/logitserve/v1"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site/deps" .whl/*.whl || return 1
+fi
+export PYTHONPATH="$site:$site/deps:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
