@@ -1,0 +1,234 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT64: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_BOOL: _ClassVar[DType]
+
+class FilterOrder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FILTER_ORDER_UNSPECIFIED: _ClassVar[FilterOrder]
+    FILTER_ORDER_TOP_K_FIRST: _ClassVar[FilterOrder]
+    FILTER_ORDER_JOINT: _ClassVar[FilterOrder]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT64: DType
+DTYPE_INT32: DType
+DTYPE_INT64: DType
+DTYPE_BOOL: DType
+FILTER_ORDER_UNSPECIFIED: FilterOrder
+FILTER_ORDER_TOP_K_FIRST: FilterOrder
+FILTER_ORDER_JOINT: FilterOrder
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SampleRequest(_message.Message):
+    __slots__ = ("logits", "temperature", "temperature_rows", "top_k", "top_k_rows", "top_p", "top_p_rows", "min_p", "min_p_rows", "seed", "seed_rows", "step", "step_rows", "filter_order", "random_val", "random_val_rows")
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FILTER_ORDER_FIELD_NUMBER: _ClassVar[int]
+    RANDOM_VAL_FIELD_NUMBER: _ClassVar[int]
+    RANDOM_VAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    logits: Tensor
+    temperature: float
+    temperature_rows: Tensor
+    top_k: int
+    top_k_rows: Tensor
+    top_p: float
+    top_p_rows: Tensor
+    min_p: float
+    min_p_rows: Tensor
+    seed: int
+    seed_rows: Tensor
+    step: int
+    step_rows: Tensor
+    filter_order: FilterOrder
+    random_val: float
+    random_val_rows: Tensor
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_k: _Optional[int] = ..., top_k_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_p: _Optional[float] = ..., top_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., min_p: _Optional[float] = ..., min_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., seed_rows: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ..., step_rows: _Optional[_Union[Tensor, _Mapping]] = ..., filter_order: _Optional[_Union[FilterOrder, str]] = ..., random_val: _Optional[float] = ..., random_val_rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class SampleResponse(_message.Message):
+    __slots__ = ("token_ids", "seeds", "valid")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: Tensor
+    seeds: Tensor
+    valid: Tensor
+    def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Union[Tensor, _Mapping]] = ..., valid: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class RouteExpertsRequest(_message.Message):
+    __slots__ = ("gate_logits", "k", "renormalize")
+    GATE_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    RENORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    gate_logits: Tensor
+    k: int
+    renormalize: bool
+    def __init__(self, gate_logits: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., renormalize: _Optional[bool] = ...) -> None: ...
+
+class RouteExpertsResponse(_message.Message):
+    __slots__ = ("weights", "indices")
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    weights: Tensor
+    indices: Tensor
+    def __init__(self, weights: _Optional[_Union[Tensor, _Mapping]] = ..., indices: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class SoftmaxRequest(_message.Message):
+    __slots__ = ("x", "dim")
+    X_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    x: Tensor
+    dim: int
+    def __init__(self, x: _Optional[_Union[Tensor, _Mapping]] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class SoftmaxResponse(_message.Message):
+    __slots__ = ("out",)
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    out: Tensor
+    def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class CausalSoftmaxRequest(_message.Message):
+    __slots__ = ("x",)
+    X_FIELD_NUMBER: _ClassVar[int]
+    x: Tensor
+    def __init__(self, x: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class CausalSoftmaxResponse(_message.Message):
+    __slots__ = ("out",)
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    out: Tensor
+    def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class SiluRequest(_message.Message):
+    __slots__ = ("x", "up")
+    X_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    x: Tensor
+    up: Tensor
+    def __init__(self, x: _Optional[_Union[Tensor, _Mapping]] = ..., up: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class SiluResponse(_message.Message):
+    __slots__ = ("out",)
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    out: Tensor
+    def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("id", "sample", "route_experts", "softmax", "causal_softmax", "silu")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    SOFTMAX_FIELD_NUMBER: _ClassVar[int]
+    CAUSAL_SOFTMAX_FIELD_NUMBER: _ClassVar[int]
+    SILU_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    sample: SampleRequest
+    route_experts: RouteExpertsRequest
+    softmax: SoftmaxRequest
+    causal_softmax: CausalSoftmaxRequest
+    silu: SiluRequest
+    def __init__(self, id: _Optional[str] = ..., sample: _Optional[_Union[SampleRequest, _Mapping]] = ..., route_experts: _Optional[_Union[RouteExpertsRequest, _Mapping]] = ..., softmax: _Optional[_Union[SoftmaxRequest, _Mapping]] = ..., causal_softmax: _Optional[_Union[CausalSoftmaxRequest, _Mapping]] = ..., silu: _Optional[_Union[SiluRequest, _Mapping]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("id", "sample", "route_experts", "softmax", "causal_softmax", "silu")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    SOFTMAX_FIELD_NUMBER: _ClassVar[int]
+    CAUSAL_SOFTMAX_FIELD_NUMBER: _ClassVar[int]
+    SILU_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    sample: SampleResponse
+    route_experts: RouteExpertsResponse
+    softmax: SoftmaxResponse
+    causal_softmax: CausalSoftmaxResponse
+    silu: SiluResponse
+    def __init__(self, id: _Optional[str] = ..., sample: _Optional[_Union[SampleResponse, _Mapping]] = ..., route_experts: _Optional[_Union[RouteExpertsResponse, _Mapping]] = ..., softmax: _Optional[_Union[SoftmaxResponse, _Mapping]] = ..., causal_softmax: _Optional[_Union[CausalSoftmaxResponse, _Mapping]] = ..., silu: _Optional[_Union[SiluResponse, _Mapping]] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_message_bytes", "max_rows", "max_vocab", "max_batch_rows", "max_delay_us", "max_queue")
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_VOCAB_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DELAY_US_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    max_message_bytes: int
+    max_rows: int
+    max_vocab: int
+    max_batch_rows: int
+    max_delay_us: int
+    max_queue: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_rows: _Optional[int] = ..., max_vocab: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., max_delay_us: _Optional[int] = ..., max_queue: _Optional[int] = ...) -> None: ...
+
+class ServerStats(_message.Message):
+    __slots__ = ("launches", "batched_requests", "queue_depth", "plan_cache_size")
+    LAUNCHES_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_CACHE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    launches: int
+    batched_requests: int
+    queue_depth: int
+    plan_cache_size: int
+    def __init__(self, launches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., queue_depth: _Optional[int] = ..., plan_cache_size: _Optional[int] = ...) -> None: ...
+
+class GetServerInfoResponse(_message.Message):
+    __slots__ = ("version", "device", "device_name", "backend", "dtypes", "warmed_dtypes", "limits", "stats")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPES_FIELD_NUMBER: _ClassVar[int]
+    WARMED_DTYPES_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    device: str
+    device_name: str
+    backend: str
+    dtypes: _containers.RepeatedScalarFieldContainer[DType]
+    warmed_dtypes: _containers.RepeatedScalarFieldContainer[DType]
+    limits: Limits
+    stats: ServerStats
+    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., warmed_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., stats: _Optional[_Union[ServerStats, _Mapping]] = ...) -> None: ...

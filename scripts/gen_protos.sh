@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Regenerates the checked-in Python code of the wire contract (protos/logitserve/v1/*_pb2*.py[i])
+# with the pinned generator (grpcio-tools 1.84.0, pyproject's dev extra: stubs from a newer
+# generator refuse the grpcio 1.84 runtime). tests/test_protos_generated.py runs the same
+# command into a temporary folder and fails when the checked-in files differ.
+#   scripts/gen_protos.sh            (uses $PYTHON, else python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+"${PYTHON:-python3}" -m grpc_tools.protoc -Iprotos \
+  --python_out=protos --pyi_out=protos --grpc_python_out=protos \
+  protos/logitserve/v1/logitserve.proto
