@@ -1,0 +1,79 @@
+# logitserve: the gRPC service in an image.
+#
+#   docker build -t logitserve .
+#   docker run --gpus all -p 50051:50051 logitserve                      # serve on cuda:0
+#   docker run -p 50051:50051 logitserve serve --port 50051 --device cpu  # no GPU
+#
+# BASE_IMAGE is a PyTorch image by default: torch (a CUDA build) and triton come from the base
+# image there and are not reinstalled. Triton 3.6 (torch 2.10) or newer is what the kernels
+# are tested with. Any Debian-like image works as a base: where python3 or venv is missing
+# it is installed with apt-get, and where torch is missing torch==$TORCH_VERSION is
+# installed first (pinned: unpinned, pip would pull several GB of CUDA wheels where a CPU
+# build may be wanted; point PIP_FIND_LINKS or PIP_INDEX_URL at the build you want).
+#
+# pip settings for the build (a private index, a proxy's CA bundle, a local wheel folder) are
+# build arguments, never baked into the image: an ARG is set as an environment variable for
+# the RUN steps below only, and pip reads PIP_* variables (empty ones are ignored):
+#
+#   podman build --build-arg BASE_IMAGE=localhost/bookworm-base \
+#     --build-arg PIP_FIND_LINKS=/opt/wheels -v /opt/wheels:/opt/wheels:ro \
+#     --build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+#     -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro -t logitserve .
+#
+# (tests/test_container.py does exactly this; scripts/container_base.sh makes that base.)
+ARG BASE_IMAGE=pytorch/pytorch:2.10.0-cuda12.8-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
+ARG TORCH_VERSION=2.13.0
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    VIRTUAL_ENV=/opt/logitserve \
+    PATH=/opt/logitserve/bin:$PATH
+
+# Python with venv: present in PyTorch images; a bare Debian (bookworm: Python 3.11) gets it
+# from apt. The virtual environment sees the base's site-packages, so a base's torch is used
+# as it is, and pip installs nothing over it.
+RUN set -eux; \
+    if ! { command -v python3 >/dev/null 2>&1 && python3 -m venv --system-site-packages "$VIRTUAL_ENV"; }; then \
+        rm -rf "$VIRTUAL_ENV"; \
+        apt-get update; \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+            python3 python3-venv python3-pip ca-certificates; \
+        rm -rf /var/lib/apt/lists/*; \
+        python3 -m venv --system-site-packages "$VIRTUAL_ENV"; \
+    fi; \
+    if ! python -c 'import torch' >/dev/null 2>&1; then \
+        PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install "torch==${TORCH_VERSION}"; \
+    fi; \
+    python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+
+# The package itself, non-editable (pyproject.toml maps kernels/, server/, client/ and
+# protos/logitserve/v1/ onto logitserve.*). The source tree is not kept in the image.
+COPY . /tmp/logitserve-src
+RUN set -eux; \
+    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install /tmp/logitserve-src; \
+    rm -rf /tmp/logitserve-src; \
+    python -c 'import logitserve.server, logitserve.client, logitserve.kernels'; \
+    (getent group logitserve >/dev/null || groupadd --system logitserve); \
+    useradd --system --gid logitserve --home-dir /home/logitserve --create-home \
+        --shell /usr/sbin/nologin logitserve
+
+USER logitserve
+WORKDIR /home/logitserve
+
+# gRPC (LogitServe, grpc.health.v1, reflection).
+EXPOSE 50051
+
+# Asks grpc.health.v1 on the port the server was started with (read from PID 1's --port
+# flag, else LOGITSERVE_PORT, else 50051) and passes only on SERVING: NOT_SERVING lasts
+# through warm-up and draining. Docker-format images only (podman build --format docker).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-m", "logitserve.server.healthcheck"]
+
+ENTRYPOINT ["logitserve"]
+CMD ["serve", "--host", "0.0.0.0"]
