@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -35,16 +36,50 @@ def _interpreted(jit_fn, memo: dict) -> InterpretedFunction:
     # twin a copy of those globals with every JITFunction swapped for its own twin.
     if isinstance(jit_fn, InterpretedFunction):
         return jit_fn
-    if jit_fn in memo:
-        return memo[jit_fn]
+    # Keyed by id (the entry keeps the function alive): hashing a JITFunction computes its
+    # cache key, which fails while the interpreter has triton.language patched.
+    if id(jit_fn) in memo:
+        return memo[id(jit_fn)][1]
     fn = jit_fn.fn
     twin_globals = dict(fn.__globals__)
     clone = types.FunctionType(fn.__code__, twin_globals, fn.__name__, fn.__defaults__, fn.__closure__)
-    memo[jit_fn] = InterpretedFunction(clone)
+    twin = InterpretedFunction(clone)
+    memo[id(jit_fn)] = (jit_fn, twin)
     for name, value in twin_globals.items():
         if isinstance(value, JITFunction):
             twin_globals[name] = _interpreted(value, memo)
-    return memo[jit_fn]
+    return twin
+
+
+@contextlib.contextmanager
+def _jit_calls_interpreted(memo: dict):
+    # Library helpers (tl.max, tl.sum, tl.topk, ...) are @triton.jit functions living in
+    # triton.language's own globals, out of reach of the swap above; calling one outside a
+    # compiled kernel raises. While an interpreted launch runs, route every JITFunction call
+    # to its interpreted twin.
+    original = JITFunction.__call__
+    JITFunction.__call__ = lambda self, *args, **kwargs: _interpreted(self, memo)(*args, **kwargs)
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
+
+
+class _InterpretedLauncher:
+    """``launcher[grid](*args)`` for the interpreted twin, with library JIT helpers interpreted too."""
+
+    def __init__(self, fn: InterpretedFunction, memo: dict):
+        self._fn = fn
+        self._memo = memo
+
+    def __getitem__(self, grid):
+        launch = self._fn[grid]
+
+        def run(*args, **kwargs):
+            with _jit_calls_interpreted(self._memo):
+                return launch(*args, **kwargs)
+
+        return run
 
 
 class Launchable:
@@ -52,7 +87,7 @@ class Launchable:
 
     def __init__(self, jit_fn: JITFunction):
         self._jit_fn = jit_fn
-        self._interpreted: InterpretedFunction | None = None
+        self._interpreted: _InterpretedLauncher | None = None
 
     def for_backend(self, backend: str):
         """The object to index with a grid: ``kernel.for_backend(b)[grid](*args)``."""
@@ -62,7 +97,8 @@ class Launchable:
             return self._jit_fn
         if backend == "interpret":
             if self._interpreted is None:
-                self._interpreted = _interpreted(self._jit_fn, {})
+                memo: dict = {}
+                self._interpreted = _InterpretedLauncher(_interpreted(self._jit_fn, memo), memo)
             return self._interpreted
         raise ValueError(f"no Triton kernel for backend {backend!r}")
 
