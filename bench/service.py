@@ -1,0 +1,383 @@
+"""Service benchmark: latency and throughput of Sample and RouteExperts over gRPC, beside the floor.
+
+    python -m bench.service --device cpu --out results.md
+    python -m bench.service --device cuda:0 --calls 2000 --out results.md
+
+Starts each server as a subprocess on 127.0.0.1 (an ephemeral port), waits for grpc.health.v1
+SERVING, drives it from this process (the load generator: grpc.aio, one channel, N calls in
+flight), stops it, and prints one Markdown table. Servers:
+
+- ``echo``: ``bench.echo_server``, the transport floor: it receives the same request bytes and
+  answers 8 bytes, doing no work;
+- ``batch off``: ``logitserve serve --max-batch-rows 1`` (every request is its own launch);
+- ``batch on``: ``logitserve serve --max-batch-rows 64 --max-delay-us 200``.
+
+Payloads: Sample 1x128256 in bfloat16 and float32 (a pool of requests whose temperature,
+top_k, top_p and seed vary from call to call, so batched rows carry mixed parameters) and
+RouteExperts 64x256 bfloat16, k=8. Each case runs at concurrency 1, 8 and 64 for ``--calls``
+calls or ``--max-seconds``, whichever ends first, after ``--warmup`` calls. Requests are
+serialized before timing and sent as raw bytes (responses are not parsed while timing), so the
+numbers are the server plus the transport, not the client's protobuf work; the first
+response of every case is parsed and checked. For the service, ``requests/launch`` is the mean
+batch the server formed (from GetServerInfo's counters before and after the case).
+
+Needs grpcio, grpcio-health-checking, protobuf and numpy here (not grpcio-tools: the
+generated code is checked in); the server needs what ``logitserve serve`` needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator, Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from logitserve.v1 import logitserve_pb2 as pb
+
+SERVICE = "/logitserve.v1.LogitServe/"
+MAX_MESSAGE = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+]
+CONCURRENCY = (1, 8, 64)
+POOL = 16  # distinct requests per payload, cycled through
+
+
+# ---------------------------------------------------------------------------------- payloads
+
+
+def _bf16_bytes(x: np.ndarray) -> bytes:
+    """float32 -> bfloat16 (round to nearest even), little-endian bytes."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.astype("<u2").tobytes()
+
+
+def _tensor(x: np.ndarray, dtype: str) -> pb.Tensor:
+    if dtype == "bf16":
+        return pb.Tensor(dtype=pb.DTYPE_BFLOAT16, shape=x.shape, data=_bf16_bytes(x))
+    return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=x.shape, data=x.astype("<f4").tobytes())
+
+
+@dataclasses.dataclass
+class Payload:
+    name: str
+    method: str  # full gRPC method path
+    requests: list[bytes]  # serialized, cycled through
+    response_type: type
+
+    @property
+    def request_bytes(self) -> int:
+        return len(self.requests[0])
+
+
+def sample_payload(vocab: int, dtype: str, rng: np.random.Generator) -> Payload:
+    """Sample [1, vocab]: every request has its own logits, temperature, top_k, top_p and seed."""
+    temperatures = (0.6, 0.7, 0.8, 1.0, 1.2)
+    top_ks = (0, 20, 50, 100)
+    top_ps = (0.8, 0.9, 0.95, 1.0)
+    requests = []
+    for i in range(POOL):
+        logits = rng.standard_normal((1, vocab), dtype=np.float32) * 3.0
+        request = pb.SampleRequest(
+            logits=_tensor(logits, dtype),
+            temperature=temperatures[i % len(temperatures)],
+            top_k=top_ks[i % len(top_ks)],
+            top_p=top_ps[(i // 2) % len(top_ps)],
+            seed=1000 + i,
+        )
+        requests.append(request.SerializeToString())
+    return Payload(f"Sample 1x{vocab} {dtype}", SERVICE + "Sample", requests, pb.SampleResponse)
+
+
+def route_payload(tokens: int, experts: int, k: int, rng: np.random.Generator) -> Payload:
+    requests = [
+        pb.RouteExpertsRequest(
+            gate_logits=_tensor(rng.standard_normal((tokens, experts), dtype=np.float32), "bf16"),
+            k=k,
+            renormalize=bool(i % 2),
+        ).SerializeToString()
+        for i in range(POOL)
+    ]
+    return Payload(f"RouteExperts {tokens}x{experts} bf16 k{k}", SERVICE + "RouteExperts", requests,
+                   pb.RouteExpertsResponse)
+
+
+def payloads(seed: int = 0) -> list[Payload]:
+    rng = np.random.default_rng(seed)
+    return [
+        sample_payload(128256, "bf16", rng),
+        sample_payload(128256, "f32", rng),
+        route_payload(64, 256, 8, rng),
+    ]
+
+
+def check_response(payload: Payload, raw: bytes) -> None:
+    """Parse one response and check its shape: a benchmark of failing calls measures nothing."""
+    response = payload.response_type.FromString(raw)
+    if payload.response_type is pb.SampleResponse:
+        ids = np.frombuffer(response.token_ids.data, dtype="<i8")
+        if list(response.token_ids.shape) != [1] or ids.size != 1 or not 0 <= ids[0]:
+            raise RuntimeError(f"{payload.name}: unexpected response {response}")
+    else:
+        if list(response.indices.shape)[1:] != [8]:
+            raise RuntimeError(f"{payload.name}: unexpected response shape {response.indices.shape}")
+
+
+# ----------------------------------------------------------------------------------- servers
+
+
+@dataclasses.dataclass
+class ServerSpec:
+    label: str
+    argv: list[str]  # without the port
+    is_echo: bool = False
+
+
+def server_specs(device: str, backend: str, extra: Sequence[str]) -> list[ServerSpec]:
+    serve = [sys.executable, "-c", "import sys; from logitserve.server.cli import main; sys.exit(main())",
+             "serve", "--host", "127.0.0.1", "--device", device, "--backend", backend, *extra]
+    return [
+        ServerSpec("echo", [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1"], is_echo=True),
+        ServerSpec("batch off", serve + ["--max-batch-rows", "1", "--max-delay-us", "0"]),
+        ServerSpec("batch on", serve + ["--max-batch-rows", "64", "--max-delay-us", "200"]),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(target: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Poll grpc.health.v1 until SERVING; raise if the process dies or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode} before SERVING")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{target} not SERVING after {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def running(spec: ServerSpec, startup_timeout_s: float) -> Iterator[str]:
+    """Start ``spec`` on a free loopback port, yield its target once SERVING, then stop it."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="bench-service-", suffix=".log", delete=False)
+    argv = spec.argv + ["--port", str(port)]
+    print(f"# starting {spec.label}: {shlex.join(argv)} (log {log.name})", file=sys.stderr, flush=True)
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_serving(target, process, startup_timeout_s)
+        yield target
+    except BaseException:
+        log.flush()
+        with open(log.name) as f:
+            print(f"# {spec.label} log (tail):\n" + "".join(f.readlines()[-30:]), file=sys.stderr)
+        raise
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()
+        os.unlink(log.name)
+
+
+def server_stats(target: str) -> tuple[int, int]:
+    """(launches, batched requests) since the server started."""
+    with grpc.insecure_channel(target) as channel:
+        info = channel.unary_unary(SERVICE + "GetServerInfo",
+                                   request_serializer=pb.GetServerInfoRequest.SerializeToString,
+                                   response_deserializer=pb.GetServerInfoResponse.FromString)(
+            pb.GetServerInfoRequest(), timeout=10)
+    return info.stats.launches, info.stats.batched_requests
+
+
+# -------------------------------------------------------------------------------------- load
+
+
+@dataclasses.dataclass
+class Result:
+    server: str
+    payload: str
+    request_bytes: int
+    concurrency: int
+    calls: int
+    errors: dict[str, int]
+    p50_us: float
+    p99_us: float
+    calls_per_s: float
+    requests_per_launch: float | None = None
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(1, int(np.ceil(q / 100.0 * len(sorted_values))))
+    return sorted_values[rank - 1]
+
+
+async def drive(target: str, payload: Payload, concurrency: int, calls: int, warmup: int,
+                max_seconds: float, check: bool) -> tuple[list[float], dict[str, int], float]:
+    """``calls`` unary calls with ``concurrency`` in flight; latencies in us, errors, wall s."""
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        call = channel.unary_unary(payload.method)  # bytes in, bytes out
+        requests = payload.requests
+        for i in range(warmup):
+            raw = await call(requests[i % len(requests)], timeout=600)
+            if check and i == 0:
+                check_response(payload, raw)
+        latencies: list[float] = []
+        errors: dict[str, int] = {}
+        issued = 0
+        start = time.perf_counter()
+        deadline = start + max_seconds
+
+        async def worker() -> None:
+            nonlocal issued
+            while issued < calls and time.perf_counter() < deadline:
+                request = requests[issued % len(requests)]
+                issued += 1
+                t0 = time.perf_counter_ns()
+                try:
+                    await call(request, timeout=60)
+                except grpc.aio.AioRpcError as exc:
+                    errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
+                    continue
+                latencies.append((time.perf_counter_ns() - t0) / 1e3)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return latencies, errors, wall
+
+
+def run_case(spec: ServerSpec, target: str, payload: Payload, concurrency: int, args) -> Result:
+    before = None if spec.is_echo else server_stats(target)
+    latencies, errors, wall = asyncio.run(
+        drive(target, payload, concurrency, args.calls, args.warmup, args.max_seconds, not spec.is_echo))
+    requests_per_launch = None
+    if before is not None:
+        launches, served = server_stats(target)
+        if launches > before[0]:
+            # Requests that shared a kernel launch (a RouteExperts request is 64 rows).
+            requests_per_launch = (served - before[1]) / (launches - before[0])
+    latencies.sort()
+    return Result(spec.label, payload.name, payload.request_bytes, concurrency, len(latencies), errors,
+                  percentile(latencies, 50), percentile(latencies, 99),
+                  len(latencies) / wall if wall > 0 else float("nan"), requests_per_launch)
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def machine_line(args) -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    return (f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, {platform.node()}, {cpu}, "
+            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, grpcio {grpc.__version__}, "
+            f"server device {args.device} (backend {args.backend})")
+
+
+def table(results: Sequence[Result]) -> list[str]:
+    lines = [
+        "| payload | request bytes | concurrency | server | calls | p50 us | p99 us | calls/s | requests/launch | errors |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    order = {"echo": 0, "batch off": 1, "batch on": 2}
+    payload_order = {name: i for i, name in enumerate(dict.fromkeys(r.payload for r in results))}
+    for r in sorted(results, key=lambda r: (payload_order[r.payload], r.concurrency, order.get(r.server, 9))):
+        rows = "" if r.requests_per_launch is None else f"{r.requests_per_launch:.1f}"
+        errors = ", ".join(f"{k} {v}" for k, v in sorted(r.errors.items())) or "0"
+        lines.append(f"| {r.payload} | {r.request_bytes} | {r.concurrency} | {r.server} | {r.calls} "
+                     f"| {r.p50_us:.0f} | {r.p99_us:.0f} | {r.calls_per_s:.0f} | {rows} | {errors} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="the server's --device (cpu, cuda:0, ...)")
+    parser.add_argument("--backend", default="auto", help="the server's --backend")
+    parser.add_argument("--calls", type=int, default=500, help="timed calls per case (default 500)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed calls before each case")
+    parser.add_argument("--max-seconds", type=float, default=30.0, help="time bound per case")
+    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
+                        help="comma-separated calls in flight (default 1,8,64)")
+    parser.add_argument("--servers", default="echo,batch off,batch on",
+                        help="comma-separated subset of: echo, batch off, batch on")
+    parser.add_argument("--payloads", default="",
+                        help="comma-separated substrings selecting payloads (default all)")
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="extra argument for `logitserve serve` (repeatable)")
+    parser.add_argument("--startup-timeout", type=float, default=900.0,
+                        help="seconds to wait for SERVING (warm-up compiles kernels)")
+    parser.add_argument("--out", help="also write the table to this file")
+    args = parser.parse_args(argv)
+
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    wanted = [s.strip() for s in args.servers.split(",")]
+    specs = [s for s in server_specs(args.device, args.backend, args.server_arg) if s.label in wanted]
+    cases = [p for p in payloads()
+             if not args.payloads or any(sel.strip() in p.name for sel in args.payloads.split(","))]
+    header = [
+        f"Service benchmark: {machine_line(args)}.",
+        f"Command: `python -m bench.service {shlex.join(argv if argv is not None else sys.argv[1:])}`; "
+        f"{args.calls} calls per case (or {args.max_seconds:.0f} s), {args.warmup} warm-up calls, "
+        "load generator in its own process (grpc.aio, one channel).",
+        "",
+    ]
+    results: list[Result] = []
+    for spec in specs:
+        with running(spec, args.startup_timeout) as target:
+            for payload in cases:
+                for c in concurrency:
+                    result = run_case(spec, target, payload, c, args)
+                    results.append(result)
+                    print(table([result])[-1], file=sys.stderr, flush=True)
+    text = "\n".join(header + table(results))
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    failed = sum(sum(r.errors.values()) for r in results)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
