@@ -1,5 +1,420 @@
-"""PLACEHOLDER while the op is being written: replace this whole file."""
-def SoftmaxPlan(*a, **k):
-    raise NotImplementedError('SoftmaxPlan')
-def softmax(*a, **k):
-    raise NotImplementedError('softmax')
+"""Softmax along any axis of any strided tensor, in one Triton kernel (also the causal softmax's kernel).
+
+The kernel sees a tensor as ``[outer..., position, reduce]`` through strides: up to three outer
+dims (indexed per program), one *position* dim tiled ``BLOCK_P`` at a time, and the *reduce*
+axis, of which a program holds one chunk of ``BLOCK_R`` in registers. A last-axis softmax is
+"row mode" (the reduce axis is contiguous, a program owns ``BLOCK_P`` whole rows); any other
+axis is "column mode" (the position dim is the contiguous one, a program owns a tile of
+``BLOCK_P`` neighbouring columns and their whole reduce extent). Both read each input once and
+write each output once.
+
+A reduce axis wider than one block (vocabulary rows: 128256, 151936) is cut into ``SPLIT``
+chunks held by ``SPLIT`` programs. Each computes its chunk's ``(max, sum of exp)``, publishes it
+in a workspace, waits until all chunks of its rows have published, combines them (online
+softmax, Milakov and Gimelshein, arXiv:1805.02867) and rescales the values it still holds in
+registers: one read and one write of HBM, where a single program per row would have to read
+the row twice. Waiting needs the chunks co-resident: programs take their tile from a ticket
+counter in start order (as CUB's decoupled look-back does), so a group only waits for programs
+already running or about to start, and any GPU that fits ``SPLIT`` programs at once makes
+progress. Where that cannot hold (Triton's interpreter runs programs one after another, or
+``SPLIT`` exceeds the SM count) the same kernel runs twice: a stats pass, then an apply pass
+that re-reads the input.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+import torch
+
+from ._backend import launchable, resolve_backend
+from ._launch import row_block_settings
+from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_same_device, compute_dtype, plan_cache
+from .reference import softmax as reference
+
+# Kernel modes: a whole reduce axis per program; chunks that wait for each other; the two
+# passes of the fallback.
+_WHOLE = tl.constexpr(0)
+_COOPERATIVE = tl.constexpr(1)
+_STATS = tl.constexpr(2)
+_APPLY = tl.constexpr(3)
+
+# Reduce-axis elements one program holds (one chunk) unless a plan asks for less.
+DEFAULT_MAX_BLOCK = 16384
+# Row mode: elements per program when rows are narrow (several rows share a program).
+ROW_TILE = 4096
+# Column mode: neighbouring columns per program, and elements per program.
+COLUMN_WIDTH = 64
+COLUMN_TILE = 8192
+# Partials combined per step when chunks gather their group's statistics.
+COMBINE_TILE = 4096
+# Take tiles from a ticket counter in cooperative mode (see the module docstring).
+USE_TICKET = True
+
+
+def tile_settings(n_pos: int, n_red: int, red_contiguous: bool, max_block: int) -> tuple[int, int, int]:
+    """``(BLOCK_P, BLOCK_R, num_warps)`` for a program holding ``BLOCK_P`` positions by ``BLOCK_R`` reduce elements.
+
+    Row mode (contiguous reduce axis) takes the row's next power of two up to ``max_block``, then
+    packs rows until the tile holds ``ROW_TILE`` elements, as the Triton fused-softmax tutorial
+    packs short rows. Column mode takes ``COLUMN_WIDTH`` neighbouring positions (256 contiguous
+    bytes in float32: whole 32-byte sectors per warp) and as much of the reduce axis as fits
+    ``COLUMN_TILE``. Warps follow ``row_block_settings`` on the tile's element count (Liger-Kernel
+    ``calculate_settings``: 8 to 64 elements a thread).
+    """
+    if red_contiguous:
+        block_r = min(triton.next_power_of_2(n_red), max_block)
+        block_p = min(triton.next_power_of_2(n_pos), max(1, ROW_TILE // block_r))
+    else:
+        block_p = min(triton.next_power_of_2(n_pos), COLUMN_WIDTH)
+        block_r = min(triton.next_power_of_2(n_red), max(1, COLUMN_TILE // block_p), max_block)
+    _, warps = row_block_settings(block_p * block_r)
+    return block_p, block_r, warps
+
+
+@triton.jit
+def _combine_partials(stats_ptr, group, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_SPLIT: tl.constexpr, VOLATILE: tl.constexpr):
+    # The group's SPLIT partial (max m_c, sum s_c) pairs -> the row max m and
+    # sum s = sum_c s_c * exp(m_c - m). Chunks with no finite entry hold (-inf, 0) and add 0;
+    # a row with no finite entry keeps m = -inf and s = NaN, as torch.softmax gives.
+    base = stats_ptr + group * (2 * SPLIT * BLOCK_P)
+    offs_c = tl.arange(0, BLOCK_SPLIT)
+    offs_p = tl.arange(0, BLOCK_P)
+    m = tl.full([BLOCK_P], float("-inf"), stats_ptr.dtype.element_ty)
+    for c0 in range(0, SPLIT, BLOCK_SPLIT):
+        c = c0 + offs_c
+        ptrs = base + c[:, None] * BLOCK_P + offs_p[None, :]
+        m_c = tl.load(ptrs, mask=(c < SPLIT)[:, None], other=float("-inf"), volatile=VOLATILE)
+        m = tl.maximum(m, tl.max(m_c, axis=0))
+    s = tl.zeros([BLOCK_P], stats_ptr.dtype.element_ty)
+    for c0 in range(0, SPLIT, BLOCK_SPLIT):
+        c = c0 + offs_c
+        ptrs = base + c[:, None] * BLOCK_P + offs_p[None, :]
+        m_c = tl.load(ptrs, mask=(c < SPLIT)[:, None], other=float("-inf"), volatile=VOLATILE)
+        s_c = tl.load(ptrs + SPLIT * BLOCK_P, mask=(c < SPLIT)[:, None], other=0.0, volatile=VOLATILE)
+        s += tl.sum(tl.where((c < SPLIT)[:, None], s_c * tl.exp(m_c - m[None, :]), 0.0), axis=0)
+    return m, s
+
+
+@triton.jit
+def _wait_for_group(count_ptr, SPLIT: tl.constexpr):
+    # Arrive, then spin until every chunk of the group has arrived. The barrier orders this
+    # program's statistics stores before the release; the acquire and the barrier after it
+    # order the spin before the loads of the other chunks' statistics (as cooperative groups'
+    # grid sync does: __syncthreads, one thread's fenced atomic, __syncthreads).
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release")
+    arrived = tl.atomic_add(count_ptr, 0, sem="acquire")
+    while arrived < SPLIT:
+        arrived = tl.atomic_add(count_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _leave_group(count_ptr, SPLIT: tl.constexpr):
+    # The counter reaches 2 * SPLIT once every chunk has passed its spin; the last one out
+    # sets it back to 0 for the next launch (so the workspace never needs clearing).
+    departed = tl.atomic_add(count_ptr, 1, sem="relaxed")
+    if departed == 2 * SPLIT - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed")
+
+
+@launchable
+@triton.jit
+def _softmax_kernel(
+    out_ptr, x_ptr, stats_ptr, sync_ptr,
+    x_stride_o0, x_stride_o1, x_stride_o2, x_stride_p, x_stride_r,
+    out_stride_o0, out_stride_o1, out_stride_o2, out_stride_p, out_stride_r,
+    n_o1, n_o2, n_pos, n_red, n_pos_tiles, n_groups, chunk_len,
+    MODE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, TICKET: tl.constexpr,
+    LOAD_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+):
+    # Tile -> (group, chunk); group -> (outer index, position tile); outer -> (o0, o1, o2).
+    if MODE == _COOPERATIVE and TICKET:
+        ticket = tl.atomic_add(sync_ptr + n_groups, 1)
+        if ticket == n_groups * SPLIT - 1:
+            tl.atomic_xchg(sync_ptr + n_groups, 0)
+        tile = ticket.to(tl.int64)
+    else:
+        tile = tl.program_id(0).to(tl.int64)
+    group = tile // SPLIT
+    chunk = tile % SPLIT
+    outer = group // n_pos_tiles
+    pos_tile = group % n_pos_tiles
+    o2 = outer % n_o2
+    o1 = (outer // n_o2) % n_o1
+    o0 = outer // n_o2 // n_o1
+    x_base = x_ptr + o0 * x_stride_o0 + o1 * x_stride_o1 + o2 * x_stride_o2
+    out_base = out_ptr + o0 * out_stride_o0 + o1 * out_stride_o1 + o2 * out_stride_o2
+
+    offs_p = pos_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    r_local = tl.arange(0, BLOCK_R)
+    offs_r = chunk * chunk_len + r_local
+    mask = (offs_p < n_pos)[:, None] & ((r_local < chunk_len) & (offs_r < n_red))[None, :]
+    if CAUSAL:
+        # Row p sees columns j <= n_red - n_pos + p (bottom-right aligned). Loads stop at the
+        # LOAD_ALIGN-element vector holding the diagonal: masked cells beyond it are never read.
+        n_visible = n_red - n_pos + 1 + offs_p
+        n_loaded = (n_visible + LOAD_ALIGN - 1) // LOAD_ALIGN * LOAD_ALIGN
+        visible = mask & (offs_r[None, :] < n_visible[:, None])
+        load_mask = mask & (offs_r[None, :] < n_loaded[:, None])
+    else:
+        visible = mask
+        load_mask = mask
+    x_ptrs = x_base + offs_p[:, None] * x_stride_p + offs_r[None, :] * x_stride_r
+    x = tl.load(x_ptrs, mask=load_mask, other=float("-inf")).to(stats_ptr.dtype.element_ty)
+    if CAUSAL:
+        x = tl.where(visible, x, float("-inf"))
+
+    if MODE == _WHOLE:
+        # softmax(x) = exp(x - max) / sum(exp(x - max)); a row of -inf gives NaN, as torch.
+        m = tl.max(x, axis=1)
+        e = tl.exp(x - m[:, None])
+        y = e * (1.0 / tl.sum(e, axis=1))[:, None]
+    elif MODE == _APPLY:
+        m, s = _combine_partials(stats_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT, False)
+        y = tl.exp(x - m[:, None]) * (1.0 / s)[:, None]
+    else:
+        # This chunk's partial max and sum; a chunk with no finite entry publishes (-inf, 0).
+        m_c = tl.max(x, axis=1)
+        e = tl.exp(x - tl.where(m_c == float("-inf"), 0.0, m_c)[:, None])
+        s_c = tl.sum(e, axis=1)
+        stats = stats_ptr + group * (2 * SPLIT * BLOCK_P) + chunk * BLOCK_P + tl.arange(0, BLOCK_P)
+        tl.store(stats, m_c)
+        tl.store(stats + SPLIT * BLOCK_P, s_c)
+        if MODE == _COOPERATIVE:
+            _wait_for_group(sync_ptr + group, SPLIT)
+            m, s = _combine_partials(stats_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT, True)
+            _leave_group(sync_ptr + group, SPLIT)
+            # exp(x - m) / s = exp(x - m_c) * exp(m_c - m) / s, reusing e.
+            y = e * (tl.exp(m_c - m) * (1.0 / s))[:, None]
+
+    if MODE != _STATS:
+        if CAUSAL:
+            y = tl.where(visible, y, 0.0)
+        out_ptrs = out_base + offs_p[:, None] * out_stride_p + offs_r[None, :] * out_stride_r
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class SoftmaxLaunch:
+    """One launch of ``_softmax_kernel`` over ``[outer..., position, reduce]`` dims given as ``(size, x_stride, out_stride)``.
+
+    Shared by :class:`SoftmaxPlan` and the causal softmax's plan; it chooses the tile, the
+    split of the reduce axis and the mode, and owns the workspace (partial statistics and the
+    cooperative counters, which the kernel leaves at zero after every launch). A plan's
+    launches must be ordered (one stream), as InfiniCore's descriptors with a workspace are.
+    """
+
+    def __init__(self, outer: list[tuple[int, int, int]], pos: tuple[int, int, int], red: tuple[int, int, int],
+                 dtype: torch.dtype, device: torch.device, backend: str, *, causal: bool = False,
+                 max_block: int | None = None, cooperative: bool = True, load_align: int = 8):
+        self.outer = [(1, 0, 0)] * (3 - len(outer)) + list(outer)
+        self.pos, self.red, self.causal, self.load_align = pos, red, causal, load_align
+        n_outer = 1
+        for size, _, _ in self.outer:
+            n_outer *= size
+        red_contiguous = red[1] == 1 or pos[1] != 1
+        self.block_p, self.block_r, self.num_warps = tile_settings(
+            pos[0], red[0], red_contiguous, max_block or DEFAULT_MAX_BLOCK)
+        self.split = triton.cdiv(red[0], self.block_r)
+        align = min(16, self.block_r)  # chunk starts on 16-element boundaries, for vector loads
+        self.chunk_len = triton.cdiv(triton.cdiv(red[0], self.split), align) * align
+        self.n_pos_tiles = triton.cdiv(pos[0], self.block_p)
+        self.n_groups = n_outer * self.n_pos_tiles
+        self.grid = (self.n_groups * self.split,)
+        if self.split == 1:
+            self.modes = (_WHOLE,)
+        elif backend == "triton" and cooperative and self.split <= _sm_count(device):
+            self.modes = (_COOPERATIVE,)
+        else:
+            self.modes = (_STATS, _APPLY)
+        self.block_split = min(triton.next_power_of_2(self.split), max(1, COMBINE_TILE // self.block_p))
+        stats_dtype = compute_dtype(dtype)
+        n_stats = 2 * self.n_groups * self.split * self.block_p if self.split > 1 else 1
+        self.stats = torch.empty(n_stats, dtype=stats_dtype, device=device)
+        n_sync = self.n_groups + 1 if self.modes == (_COOPERATIVE,) else 1
+        self.sync = torch.zeros(n_sync, dtype=torch.int32, device=device)
+        self.workspace_size = self.stats.nbytes + self.sync.nbytes
+        self.kernel = _softmax_kernel.for_backend(backend)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        (_, xs0, os0), (n_o1, xs1, os1), (n_o2, xs2, os2) = self.outer
+        for mode in self.modes:
+            self.kernel[self.grid](
+                out, x, self.stats, self.sync,
+                xs0, xs1, xs2, self.pos[1], self.red[1],
+                os0, os1, os2, self.pos[2], self.red[2],
+                n_o1, n_o2, self.pos[0], self.red[0], self.n_pos_tiles, self.n_groups, self.chunk_len,
+                MODE=mode, CAUSAL=self.causal, SPLIT=self.split, TICKET=USE_TICKET,
+                LOAD_ALIGN=self.load_align, BLOCK_P=self.block_p, BLOCK_R=self.block_r,
+                BLOCK_SPLIT=self.block_split, num_warps=self.num_warps,
+            )
+
+
+def _collapse(dims: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge neighbouring ``(size, x_stride, out_stride)`` dims that address memory as one dim would."""
+    merged: list[tuple[int, int, int]] = []
+    for size, xs, os in dims:
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == xs * size and merged[-1][2] == os * size:
+            prev = merged.pop()
+            merged.append((prev[0] * size, xs, os))
+        else:
+            merged.append((size, xs, os))
+    return merged
+
+
+class SoftmaxPlan:
+    """Softmax along ``dim`` of a tensor of any rank and strides: ``exp(x - max) / sum(exp(x - max))``.
+
+    Parameters
+    ----------
+    x : TensorSpec
+        Input layout: any shape (0-d included) and strides; float16, bfloat16, float32 or float64.
+    out : TensorSpec, optional
+        Output layout: same shape, dtype and device as ``x``, any strides that do not overlap
+        themselves (``x`` itself for in place). ``None`` means the same layout as ``x``.
+    dim : int
+        The axis to normalise, negative counting from the end.
+    backend : str
+        ``"auto"``, ``"triton"``, ``"interpret"`` or ``"torch"``.
+    max_block : int, optional
+        Cap on the reduce-axis elements one program holds (default ``DEFAULT_MAX_BLOCK``); wider
+        axes are split across programs. For tests (small shapes on the split path) and tuning.
+    cooperative : bool
+        Whether split axes may use the single cooperative launch (True, the fast path) or must
+        use the stats-then-apply pair of launches. For tests and benchmarks.
+
+    Computes in float32 (float64 for float64 input). A row whose entries are all ``-inf``, or
+    that holds a NaN or ``+inf``, comes out NaN, as ``torch.softmax`` gives.
+
+    Example
+    -------
+    >>> x = torch.randn(4, 128256, device="cuda", dtype=torch.bfloat16)
+    >>> plan = SoftmaxPlan(TensorSpec.of(x), dim=-1)
+    >>> out = torch.empty_like(x)
+    >>> plan(x, out)
+    """
+
+    def __init__(self, x: TensorSpec, out: TensorSpec | None = None, *, dim: int = -1, backend: str = "auto",
+                 max_block: int | None = None, cooperative: bool = True):
+        check_dtype("x", x.dtype, FLOAT_DTYPES)
+        out = x if out is None else out
+        check_same_device("out", out, x.device)
+        if out.dtype != x.dtype:
+            raise ValueError(f"out: dtype must equal x's ({x.dtype}), got {out.dtype}")
+        if out.shape != x.shape:
+            raise ValueError(f"out: shape must equal x's {x.shape}, got {out.shape}")
+        if any(st == 0 and size > 1 for size, st in zip(out.shape, out.strides)):
+            raise ValueError(f"out: must not overlap itself, got strides {out.strides} for shape {out.shape}")
+        rank = max(x.ndim, 1)
+        if not -rank <= dim < rank:
+            raise ValueError(f"dim: must be in [{-rank}, {rank - 1}] for a {x.ndim}-d x, got {dim}")
+        if max_block is not None and (max_block < 1 or max_block & (max_block - 1)):
+            raise ValueError(f"max_block: must be a power of two >= 1, got {max_block}")
+        self.x, self.out, self.dim = x, out, dim % rank
+        self.backend = resolve_backend(backend, x.device)
+        self.workspace_size = 0
+        self.launch = None
+        self.lead: list[tuple[int, int, int]] = []
+        if self.backend == "torch" or x.numel() == 0:
+            return
+        shape, xs, os = (x.shape, x.strides, out.strides) if x.ndim else ((1,), (1,), (1,))
+        d = self.dim
+        batch = _collapse([(shape[i], xs[i], os[i]) for i in range(len(shape)) if i != d])
+        if batch:
+            # The position dim is the one with the smallest input stride: the contiguous one.
+            p = min(range(len(batch)), key=lambda i: (abs(batch[i][1]), -i))
+            pos = batch.pop(p)
+        else:
+            pos = (1, 0, 0)
+        # The kernel indexes three outer dims; rarer layouts loop over the rest here.
+        self.lead, outer = batch[:-3], batch[-3:]
+        self.launch = SoftmaxLaunch(outer, pos, (shape[d], xs[d], os[d]), x.dtype, x.device, self.backend,
+                                    max_block=max_block, cooperative=cooperative)
+        self.workspace_size = self.launch.workspace_size
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.backend == "torch":
+            return reference.softmax(x, self.dim, out=out)
+        if self.launch is None:
+            return out
+        if not self.lead:
+            self.launch(x, out)
+            return out
+        for index in _lead_indices(self.lead):
+            x_off = sum(i * st for i, (_, st, _) in zip(index, self.lead))
+            out_off = sum(i * st for i, (_, _, st) in zip(index, self.lead))
+            self.launch(x.as_strided((1,), (1,), x.storage_offset() + x_off),
+                        out.as_strided((1,), (1,), out.storage_offset() + out_off))
+        return out
+
+
+def _lead_indices(dims: list[tuple[int, int, int]]):
+    if not dims:
+        yield ()
+        return
+    for i in range(dims[0][0]):
+        for rest in _lead_indices(dims[1:]):
+            yield (i, *rest)
+
+
+_cached_plan = plan_cache(SoftmaxPlan)
+
+
+def check_out(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Raise ``ValueError`` when ``out`` shares memory with ``x`` without being ``x``'s own layout (in place)."""
+    if out.data_ptr() == x.data_ptr() and out.stride() == x.stride():
+        return
+    if out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        return
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * st for size, st in zip(t.shape, t.stride()) if size > 0)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (x0, x1), (o0, o1) = span(x), span(out)
+    if x.numel() and out.numel() and x0 < o1 and o0 < x1:
+        raise ValueError("out: must be x itself (in place) or not overlap x")
+
+
+def softmax(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None,
+            backend: str = "auto") -> torch.Tensor:
+    """Softmax of ``x`` along ``dim``, computed in float32 (float64 for float64 input).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Any shape and strides; float16, bfloat16, float32 or float64.
+    dim : int
+        The axis to normalise (negative counts from the end).
+    out : torch.Tensor, optional
+        Where to write, shaped and typed as ``x``; may be ``x`` itself (in place).
+    backend : str
+        ``"auto"`` (triton on CUDA, torch on CPU), ``"triton"``, ``"interpret"`` or ``"torch"``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``out``, or a new tensor laid out like ``x``.
+
+    Example
+    -------
+    >>> probs = softmax(torch.randn(2, 32000, device="cuda"))
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: must be a torch.Tensor, got {type(x).__name__}")
+    if out is None:
+        out = torch.empty_like(x)
+    elif not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: must be a torch.Tensor, got {type(out).__name__}")
+    else:
+        check_out(x, out)
+    plan = _cached_plan(TensorSpec.of(x), TensorSpec.of(out), dim=dim, backend=backend)
+    return plan(x, out)
