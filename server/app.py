@@ -1,0 +1,147 @@
+"""Wiring: the grpc.aio server with LogitServe, health, reflection, interceptors, TLS, metrics.
+
+``create_server(config) -> (service, port)`` builds and binds everything (port 0 picks a free
+port, as tests do); then ``await service.start()`` accepts calls with health NOT_SERVING,
+``await service.warm_up()`` compiles the kernels and turns health SERVING, and
+``await service.stop(grace)`` drains: health NOT_SERVING, new calls UNAVAILABLE, in-flight calls
+finish within ``grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from logitserve.v1 import logitserve_pb2 as pb
+from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
+
+from . import ops
+from .auth import TokenStore
+from .batcher import Batcher
+from .config import ServerConfig
+from .device import DeviceHandle
+from .interceptors import ExceptionInterceptor, TokenAuthInterceptor
+from .logs import get_logger, log_event
+from .metrics import Metrics
+from .servicer import LogitServeServicer
+from .tensors import TORCH_DTYPES
+
+log = get_logger("server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LogitServe"].full_name
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+_DTYPES_BY_NAME = {str(t).removeprefix("torch."): t for t in TORCH_DTYPES.values()}
+
+
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if config.tls_cert is None:
+        return None
+    ca = pathlib.Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    pair = (pathlib.Path(config.tls_key).read_bytes(), pathlib.Path(config.tls_cert).read_bytes())
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class Service:
+    """The running service: device handle, batcher, gRPC server, health, metrics."""
+
+    def __init__(self, config: ServerConfig):
+        from . import __version__
+
+        self.config = config
+        self.version = __version__
+        self.limits = ops.Limits(max_rows=config.max_rows, max_vocab=config.max_vocab)
+        self.handle = DeviceHandle(config.resolved_device, config.backend)
+        self.metrics = Metrics()
+        self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
+        self.batcher = Batcher(self.handle, max_batch_rows=config.max_batch_rows,
+                               max_delay_s=config.max_delay_us * 1e-6, max_queue=config.max_queue,
+                               metrics=self.metrics)
+        self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
+        self.health = health.aio.HealthServicer()
+        self.draining = False
+        self._stopped: asyncio.Event | None = None
+
+        interceptors = [ExceptionInterceptor(self.metrics, is_draining=lambda: self.draining)]
+        if self.tokens is not None:
+            interceptors.append(TokenAuthInterceptor(self.tokens))
+        limit = config.max_message_bytes
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),  # a second server on a taken port fails instead of sharing it
+        ])
+        pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self.server)
+        host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
+        address = f"{host}:{config.port}"
+        creds = _server_credentials(config)
+        self.port = (self.server.add_secure_port(address, creds) if creds is not None
+                     else self.server.add_insecure_port(address))
+        self.tls = creds is not None
+
+    async def start(self) -> None:
+        """Accept calls (health NOT_SERVING until :meth:`warm_up`) and start metrics."""
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.batcher.start()
+        await self.server.start()
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.metrics_port, self.config.host)
+        log_event(log, "listening", port=self.port, tls=self.tls, mutual_tls=self.config.tls_client_ca is not None,
+                  auth=self.tokens is not None, metrics_port=self.config.metrics_port or None,
+                  **self.handle.properties)
+
+    async def warm_up(self) -> None:
+        """Compile the kernels for the configured dtypes, then report SERVING."""
+        dtypes = tuple(_DTYPES_BY_NAME[name] for name in self.config.warmup_dtypes)
+        await self.handle.warm_up(dtypes, ops.warmup_calls)
+        if not self.draining:
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log_event(log, "serving", port=self.port)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new calls, give in-flight calls ``grace`` seconds, release all."""
+        if self._stopped is not None:
+            await self._stopped.wait()
+            return
+        self._stopped = asyncio.Event()
+        grace = self.config.grace_period_s if grace is None else grace
+        log_event(log, "draining", grace_s=grace, queued=self.batcher.queue_depth)
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.batcher.close()
+        await asyncio.to_thread(self.handle.close)
+        self.metrics.close()
+        log_event(log, "stopped", launches=self.batcher.launches, requests=self.batcher.batched_requests)
+        self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+    def reload_tokens(self) -> None:
+        if self.tokens is not None:
+            self.tokens.reload()
+
+    def info(self) -> ops.ServerInfo:
+        c = self.config
+        return ops.ServerInfo(
+            version=self.version, device=str(self.handle.device), device_name=self.handle.name,
+            backend=self.handle.backend, warmed_dtypes=list(self.handle.warmed_dtypes),
+            limits=dict(max_message_bytes=c.max_message_bytes, max_rows=c.max_rows, max_vocab=c.max_vocab,
+                        max_batch_rows=c.max_batch_rows, max_delay_us=c.max_delay_us, max_queue=c.max_queue),
+            stats=dict(launches=self.batcher.launches, batched_requests=self.batcher.batched_requests,
+                       queue_depth=self.batcher.queue_depth, plan_cache_size=self.handle.plan_cache_size))
+
+
+def create_server(config: ServerConfig) -> tuple[Service, int]:
+    """Build the service and bind its port; returns ``(service, bound_port)``. Call from a coroutine."""
+    service = Service(config)
+    return service, service.port

@@ -1,0 +1,196 @@
+"""Dynamic batching: concurrent compatible calls share one kernel launch.
+
+Calls with equal ``key`` (same op, dtype, row width, and the op's static options) wait in one
+group. A group launches when it holds ``max_batch_rows`` rows or its oldest call has waited
+``max_delay_s``; while the device is busy with one launch, groups keep filling, so load itself
+makes batches bigger. One worker task per batcher takes ready groups oldest first and launches
+them on the device's executor thread (the event loop stays free). Before a launch, calls whose
+client cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. The queue
+is bounded: at ``max_queue`` waiting calls, :meth:`Batcher.submit` raises :class:`QueueFull` at
+once. When a launch of several calls fails, each call is retried alone, so one bad request
+cannot fail its neighbours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from .errors import DeadlineExpired, Draining, QueueFull
+from .logs import get_logger, log_event
+
+log = get_logger("batcher")
+
+
+@dataclass(eq=False)
+class _Pending:
+    call: object
+    future: asyncio.Future
+    deadline: float | None  # loop.time() by which the call must have launched
+    enqueued: float
+    queued: bool = True
+
+
+@dataclass(eq=False)
+class _Group:
+    ready_at: float  # when the oldest call has waited max_delay
+    items: list[_Pending] = field(default_factory=list)
+    rows: int = 0
+
+
+class Batcher:
+    """Coalesces compatible calls into launches on one :class:`~.device.DeviceHandle`."""
+
+    def __init__(self, handle, *, max_batch_rows: int, max_delay_s: float, max_queue: int, metrics=None):
+        self.handle = handle
+        self.max_batch_rows = max_batch_rows
+        self.max_delay_s = max_delay_s
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.launches = 0  # kernel launches (a batch is one launch)
+        self.batched_requests = 0  # calls those launches served
+        self._groups: dict[object, _Group] = {}
+        self._queued = 0
+        self._wakeup = asyncio.Event()
+        self._worker: asyncio.Task | None = None
+        self._closed = False
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    def start(self) -> None:
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self._run(), name="logitserve-batcher")
+
+    async def submit(self, call, *, timeout: float | None = None):
+        """Queue ``call`` and wait for its result; ``timeout`` is the call's remaining deadline."""
+        if self._closed:
+            raise Draining("server is shutting down")
+        if self._queued >= self.max_queue:
+            raise QueueFull(f"queue full: {self._queued} requests waiting (--max-queue {self.max_queue})")
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        pending = _Pending(call, loop.create_future(), None if timeout is None else now + timeout, now)
+        key = call.key if call.key is not None else object()  # None: a group of its own
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(ready_at=now + self.max_delay_s)
+        group.items.append(pending)
+        group.rows += call.rows
+        self._queued += 1
+        self._set_depth()
+        pending.future.add_done_callback(lambda _f: self._forget(key, pending))
+        if len(group.items) == 1 or group.rows >= self.max_batch_rows:
+            self._wakeup.set()  # a new group (the worker times its delay) or a full one
+        return await pending.future
+
+    def _forget(self, key, pending: _Pending) -> None:
+        # A call cancelled (client gone, deadline) while still queued leaves the queue at once.
+        if not pending.queued:
+            return
+        pending.queued = False
+        self._queued -= 1
+        self._set_depth()
+        group = self._groups.get(key)
+        if group is not None and pending in group.items:
+            group.items.remove(pending)
+            group.rows -= pending.call.rows
+            if not group.items:
+                del self._groups[key]
+
+    def _set_depth(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(self._queued)
+
+    def _take_ready(self, now: float) -> list[_Pending] | None:
+        """Remove and return the calls of the oldest ready group, up to max_batch_rows rows."""
+        for key, group in self._groups.items():
+            if group.rows < self.max_batch_rows and group.ready_at > now:
+                continue
+            batch, rows = [], 0
+            while group.items and (not batch or rows + group.items[0].call.rows <= self.max_batch_rows):
+                pending = group.items.pop(0)
+                group.rows -= pending.call.rows
+                pending.queued = False
+                self._queued -= 1
+                if pending.future.done():
+                    continue
+                if pending.deadline is not None and pending.deadline <= now:
+                    pending.future.set_exception(DeadlineExpired("deadline passed while queued, before launch"))
+                    continue
+                batch.append(pending)
+                rows += pending.call.rows
+            if not group.items:
+                del self._groups[key]
+            self._set_depth()
+            return batch
+        return None
+
+    def _next_ready_at(self) -> float | None:
+        return min((g.ready_at for g in self._groups.values()), default=None)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = self._take_ready(loop.time())
+            if batch is None:
+                self._wakeup.clear()
+                # Nothing ready: sleep until submit opens or fills a group, or until the oldest
+                # group's delay runs out.
+                ready_at = self._next_ready_at()
+                timeout = None if ready_at is None else max(ready_at - loop.time(), 0.0)
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            if batch:
+                await self._launch(batch, loop)
+
+    async def _launch(self, batch: list[_Pending], loop) -> None:
+        calls = [p.call for p in batch]
+        op = calls[0].op
+        start = loop.time()
+        if self.metrics is not None:
+            for p in batch:
+                self.metrics.queue_time.labels(op).observe(start - p.enqueued)
+            self.metrics.observe_batch(op, rows=sum(c.rows for c in calls), requests=len(calls))
+        self.launches += 1
+        self.batched_requests += len(calls)
+        try:
+            results = await self.handle.submit(type(calls[0]).run_batch, calls, self.handle)
+        except Exception as exc:  # noqa: BLE001 - handed to the calls, or isolated below
+            if len(batch) == 1:
+                self._resolve(batch[0], exc=exc)
+                return
+            log_event(log, "batch failed, retrying calls alone", op=op, calls=len(batch), error=repr(exc))
+            for p in batch:
+                await self._launch([p], loop)
+            return
+        for p, result in zip(batch, results):
+            self._resolve(p, result=result)
+
+    @staticmethod
+    def _resolve(pending: _Pending, *, result=None, exc: BaseException | None = None) -> None:
+        if pending.future.done():  # cancelled by its client while the launch ran
+            return
+        if exc is not None:
+            pending.future.set_exception(exc)
+        else:
+            pending.future.set_result(result)
+
+    async def close(self) -> None:
+        """Stop the worker; calls still queued fail with :class:`Draining`."""
+        self._closed = True
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except asyncio.CancelledError:
+                pass
+            self._worker = None
+        for group in list(self._groups.values()):
+            for p in list(group.items):
+                self._resolve(p, exc=Draining("server shut down before this call launched"))
+        self._groups.clear()

@@ -1,0 +1,135 @@
+"""``logitserve serve``: flags, each also read from a ``LOGITSERVE_*`` environment variable.
+
+A flag on the command line wins over its variable (``--max-delay-us`` over
+``LOGITSERVE_MAX_DELAY_US``), which wins over the default. SIGTERM or SIGINT drains (health
+NOT_SERVING, new calls UNAVAILABLE, in-flight calls get ``--grace-period-s``) and exits 0;
+SIGHUP re-reads ``--auth-token-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from .config import FLOAT_DTYPE_NAMES, LOG_LEVELS, ServerConfig, default_device
+from .logs import configure, get_logger, log_event
+
+log = get_logger("cli")
+ENV_PREFIX = "LOGITSERVE_"
+
+
+def _dtype_list(text: str) -> tuple[str, ...]:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [n for n in names if n not in FLOAT_DTYPE_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown} not in {', '.join(FLOAT_DTYPE_NAMES)}")
+    return names
+
+
+# (flag, type, ServerConfig field default, help). Defaults come from ServerConfig, so the
+# dataclass stays the one place they are written.
+_D = ServerConfig()
+FLAGS = (
+    ("--host", str, _D.host, "address to listen on"),
+    ("--port", int, _D.port, "port to listen on (0 picks a free one)"),
+    ("--device", str, None, "torch device: cuda:N or cpu (default: cuda:0 where torch sees a GPU, else cpu)"),
+    ("--backend", str, _D.backend, "kernel backend: auto (triton on CUDA, torch on CPU), triton, interpret, torch"),
+    ("--max-batch-rows", int, _D.max_batch_rows, "most rows the batcher puts into one launch"),
+    ("--max-delay-us", int, _D.max_delay_us, "longest a call waits for others to share its launch (us)"),
+    ("--max-queue", int, _D.max_queue, "calls waiting for a launch before new ones get RESOURCE_EXHAUSTED"),
+    ("--max-message-bytes", int, _D.max_message_bytes, "largest request or response message"),
+    ("--max-vocab", int, _D.max_vocab, "widest row (vocabulary, experts, softmax width) in a request"),
+    ("--max-rows", int, _D.max_rows, "most rows in a request"),
+    ("--warmup-dtypes", _dtype_list, ",".join(_D.warmup_dtypes),
+     "comma-separated dtypes compiled before SERVING ('none' for none)"),
+    ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
+    ("--tls-key", str, None, "PEM private key of --tls-cert"),
+    ("--tls-client-ca", str, None, "PEM CA bundle: require client certificates it signed (mutual TLS)"),
+    ("--auth-token-file", str, None, "file of bearer tokens, one per line (re-read on SIGHUP)"),
+    ("--metrics-port", int, _D.metrics_port, "Prometheus /metrics port (0: off)"),
+    ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
+    ("--log-level", str, _D.log_level, f"one of {', '.join(LOG_LEVELS)}"),
+)
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def build_parser(environ=os.environ) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="logitserve", description="logitserve: sampling, MoE routing and "
+                                     "softmax kernels over gRPC")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the gRPC server",
+                                description="Run the gRPC server. Every flag can also be set by the environment "
+                                            "variable named after it (shown in brackets).")
+    for flag, kind, default, text in FLAGS:
+        env = env_name(flag)
+        # argparse runs `type` on string defaults, so a variable is parsed exactly like its flag.
+        serve.add_argument(flag, type=kind, default=environ.get(env, default),
+                           help=f"{text} [{env}; default: {default}]")
+    commands.add_parser("version", help="print the version")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    fields = {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
+              for flag, *_ in FLAGS}
+    fields["device"] = fields["device"] or default_device()
+    return ServerConfig(**fields)
+
+
+async def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM / SIGINT, then drain; 0 on a clean stop, 1 if warm-up failed."""
+    from .app import create_server
+
+    service, _port = create_server(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, service.reload_tokens)
+    await service.start()
+    warm = asyncio.create_task(service.warm_up())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({warm, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if warm.done() and warm.exception() is not None:
+        log_event(log, "warm-up failed", exc_info=warm.exception())
+        stopping.cancel()
+        await service.stop(0)
+        return 1
+    await stopping
+    log_event(log, "signal received, draining")
+    await service.stop(config.grace_period_s)
+    if not warm.done():
+        warm.cancel()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "version":
+        from . import __version__
+
+        print(__version__)
+        return 0
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure(config.log_level)
+    try:
+        return asyncio.run(serve(config))
+    except (OSError, RuntimeError, ValueError) as exc:  # a taken port, a missing TLS file, no such GPU
+        log_event(log, "failed to start", error=str(exc))
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

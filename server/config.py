@@ -1,0 +1,89 @@
+"""The server's configuration: one frozen dataclass, filled by cli.py or by tests directly."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DEFAULT_PORT = 50051
+FLOAT_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def default_device() -> str:
+    """``cuda:0`` where torch sees a GPU, else ``cpu``."""
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``logitserve serve`` can be told; every field is also a flag (cli.py)."""
+
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    # Torch device the kernels run on; None picks default_device().
+    device: str | None = None
+    # "auto" is triton on CUDA and the torch reference on the CPU.
+    backend: str = "auto"
+    # Dynamic batching: most rows in one launch, and the longest a request waits for others.
+    max_batch_rows: int = 256
+    max_delay_us: int = 200
+    # Requests waiting for a launch; beyond it calls get RESOURCE_EXHAUSTED at once.
+    max_queue: int = 1024
+    # Largest request or response message (gRPC's own limit, RESOURCE_EXHAUSTED beyond it).
+    # 256 MiB holds 256 rows of a 151936-token vocabulary in float32 (155 MB).
+    max_message_bytes: int = 256 * 1024 * 1024
+    # Widest row (vocabulary, experts, softmax width) and most rows in one request.
+    max_vocab: int = 262144
+    max_rows: int = 4096
+    # Dtypes whose kernels are compiled before the server reports SERVING.
+    warmup_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
+    # TLS: server certificate chain and key (PEM files); with a client CA, clients must present
+    # a certificate it signed (mutual TLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    # One bearer token per line; every RPC but health needs `authorization: Bearer <token>`.
+    auth_token_file: str | None = None
+    # Prometheus metrics over HTTP on this port; 0 turns them off.
+    metrics_port: int = 0
+    # On SIGTERM, in-flight calls get this long to finish.
+    grace_period_s: float = 10.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: must be in [0, 65535] (0 = off), got {self.metrics_port}")
+        for name in ("max_batch_rows", "max_queue", "max_message_bytes", "max_vocab", "max_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_delay_us < 0:
+            raise ValueError(f"max_delay_us: must be >= 0, got {self.max_delay_us}")
+        if self.max_message_bytes > 2**31 - 1:
+            raise ValueError(f"max_message_bytes: gRPC's limit is 2147483647, got {self.max_message_bytes}")
+        if self.grace_period_s < 0:
+            raise ValueError(f"grace_period_s: must be >= 0, got {self.grace_period_s}")
+        if self.backend not in ("auto", "triton", "interpret", "torch"):
+            raise ValueError(f"backend: must be one of auto, triton, interpret, torch, got {self.backend!r}")
+        if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device: must be 'cpu' or 'cuda:N', got {self.device!r}")
+        unknown = [d for d in self.warmup_dtypes if d not in FLOAT_DTYPE_NAMES]
+        if unknown:
+            raise ValueError(f"warmup_dtypes: {unknown} not in {', '.join(FLOAT_DTYPE_NAMES)}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca: needs tls_cert and tls_key (mutual TLS is TLS first)")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    def replace(self, **changes) -> "ServerConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def resolved_device(self) -> str:
+        return self.device if self.device is not None else default_device()

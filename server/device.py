@@ -1,0 +1,98 @@
+"""One device the kernels run on: torch device, backend, stream, executor thread, warm-up.
+
+Every launch for a device goes through its one executor thread (:meth:`DeviceHandle.submit`),
+so the event loop never blocks on a kernel and launches on a device never interleave. On CUDA
+the launches run on the handle's own stream and the thread waits for them before the results
+are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from logitserve import kernels
+
+from .logs import get_logger, log_event
+
+log = get_logger("device")
+
+# Row widths warm-up compiles on the compiled backend: the vocabularies of Llama 2 (32000) and
+# Qwen 2 (151936; wider than one block, so it also takes the looping path Llama 3's 128256 uses).
+# Interpreted and torch backends compile nothing, so a tiny width only checks the path works.
+TRITON_WARMUP_WIDTHS = (32000, 151936)
+CPU_WARMUP_WIDTHS = (64,)
+
+
+class DeviceHandle:
+    """A torch device with its backend, CUDA stream (None on the CPU) and launch thread."""
+
+    def __init__(self, device: str, backend: str = "auto"):
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device: {device} asked for, but torch sees no CUDA device")
+            if self.device.index is None:
+                self.device = torch.device("cuda", 0)
+            if self.device.index >= torch.cuda.device_count():
+                raise ValueError(f"device: {device} asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
+        self.backend = kernels.resolve_backend(backend, self.device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                     else platform.processor() or platform.machine() or "cpu")
+        self.warmed_dtypes: list[torch.dtype] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"logitserve-{self.device}")
+
+    @property
+    def properties(self) -> dict:
+        """What the device is: name, backend, and for a GPU its memory and SM count."""
+        props = {"device": str(self.device), "name": self.name, "backend": self.backend}
+        if self.device.type == "cuda":
+            p = torch.cuda.get_device_properties(self.device)
+            props.update(total_memory=p.total_memory, multi_processor_count=p.multi_processor_count,
+                         capability=f"{p.major}.{p.minor}")
+        return props
+
+    @property
+    def plan_cache_size(self) -> int:
+        """Kernel descriptors cached in this process (every op's bounded cache)."""
+        return kernels.plan_cache_size()
+
+    def _run(self, fn: Callable, *args):
+        if self.stream is None:
+            return fn(*args)
+        with torch.cuda.stream(self.stream):
+            result = fn(*args)
+        self.stream.synchronize()
+        return result
+
+    async def submit(self, fn: Callable, *args):
+        """Run ``fn(*args)`` on this device's launch thread (and stream) without blocking the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
+
+    async def warm_up(self, dtypes: tuple[torch.dtype, ...], make_cases: Callable) -> None:
+        """Launch every case ``make_cases(dtype, widths)`` returns, logging progress per case.
+
+        ``make_cases`` returns ``(label, call)`` pairs (server.ops.warmup_calls); each call runs
+        through its op's ``run_batch`` exactly as a request would, compiling its kernels.
+        """
+        widths = TRITON_WARMUP_WIDTHS if self.backend == "triton" else CPU_WARMUP_WIDTHS
+        plan = [(dtype, label, call) for dtype in dtypes for label, call in make_cases(dtype, widths)]
+        start = time.perf_counter()
+        for i, (dtype, label, call) in enumerate(plan, 1):
+            t0 = time.perf_counter()
+            await self.submit(type(call).run_batch, [call], self)
+            log_event(log, "warmup", step=f"{i}/{len(plan)}", dtype=str(dtype).removeprefix("torch."), op=label,
+                      seconds=round(time.perf_counter() - t0, 3))
+            if dtype not in self.warmed_dtypes and all(d != dtype for d, _, _ in plan[i:]):
+                self.warmed_dtypes.append(dtype)
+        log_event(log, "warmup done", device=str(self.device), backend=self.backend, cases=len(plan),
+                  seconds=round(time.perf_counter() - start, 3), plans=self.plan_cache_size)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

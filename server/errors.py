@@ -1,0 +1,27 @@
+"""The server's own failures, each mapped to one gRPC status code by interceptors.py.
+
+Bad requests are plain ``ValueError`` / ``TypeError`` (INVALID_ARGUMENT), as the kernels raise
+them; anything not listed here or there is a fault (INTERNAL).
+"""
+
+from __future__ import annotations
+
+
+class TooLarge(Exception):
+    """A request over a configured limit (rows, row width): RESOURCE_EXHAUSTED."""
+
+
+class QueueFull(Exception):
+    """The batcher's queue is at --max-queue: RESOURCE_EXHAUSTED, answered at once."""
+
+
+class DeadlineExpired(Exception):
+    """The call's deadline passed before its kernel launched: DEADLINE_EXCEEDED."""
+
+
+class Draining(Exception):
+    """The server is shutting down and takes no new work: UNAVAILABLE."""
+
+
+class Unauthenticated(Exception):
+    """Missing or wrong bearer token: UNAUTHENTICATED."""

@@ -1,0 +1,196 @@
+"""The two server interceptors: one maps exceptions to status codes (and logs and counts every
+RPC), the other checks bearer tokens.
+
+Status codes (the one place they are decided):
+
+=====================================  ===================
+exception                              status
+=====================================  ===================
+``ValueError``, ``TypeError``          INVALID_ARGUMENT, with the message
+:class:`~.errors.TooLarge`, ``QueueFull``  RESOURCE_EXHAUSTED
+:class:`~.errors.DeadlineExpired`, ``asyncio.TimeoutError``  DEADLINE_EXCEEDED
+:class:`~.errors.Draining`             UNAVAILABLE
+:class:`~.errors.Unauthenticated`      UNAUTHENTICATED
+``asyncio.CancelledError``             CANCELLED (the client left; re-raised)
+anything else (a device fault)         INTERNAL: that call fails, the server goes on
+=====================================  ===================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from .errors import DeadlineExpired, Draining, QueueFull, TooLarge, Unauthenticated
+from .logs import get_logger, log_event
+
+log = get_logger("rpc")
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REQUEST_ID_KEY = "x-request-id"
+
+_STATUS = (
+    ((ValueError, TypeError), grpc.StatusCode.INVALID_ARGUMENT),
+    ((TooLarge, QueueFull), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ((DeadlineExpired, asyncio.TimeoutError), grpc.StatusCode.DEADLINE_EXCEEDED),
+    ((Draining,), grpc.StatusCode.UNAVAILABLE),
+    ((Unauthenticated,), grpc.StatusCode.UNAUTHENTICATED),
+)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a failed call answers with."""
+    for types, code in _STATUS:
+        if isinstance(exc, types):
+            return code, str(exc) or type(exc).__name__
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}): {exc}"
+
+
+@dataclass
+class CallRecord:
+    """What the log line and metrics of one RPC say; handlers add the rows they carried."""
+
+    rpc: str
+    request_id: str
+    rows: int = 0
+    code: grpc.StatusCode = grpc.StatusCode.OK
+
+
+_current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("logitserve_call", default=None)
+
+
+def note_rows(rows: int) -> None:
+    """Count ``rows`` toward the current RPC's log line (a no-op outside one)."""
+    record = _current.get()
+    if record is not None:
+        record.rows += rows
+
+
+def _metadata(details_or_context) -> dict[str, str]:
+    md = (details_or_context.invocation_metadata() if callable(getattr(details_or_context, "invocation_metadata"))
+          else details_or_context.invocation_metadata)
+    return {k: v for k, v in (md or ()) if isinstance(v, str)}
+
+
+def _rebuild(handler: grpc.RpcMethodHandler, unary=None, stream=None) -> grpc.RpcMethodHandler:
+    """A handler like ``handler`` whose behaviour is wrapped by ``unary`` / ``stream`` factories."""
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
+    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kw)
+
+
+class ExceptionInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions to status codes; logs one line and records metrics per RPC.
+
+    ``is_draining()`` true turns new calls away with UNAVAILABLE (health checks excepted).
+    """
+
+    def __init__(self, metrics=None, is_draining=lambda: False):
+        self._metrics = metrics
+        self._is_draining = is_draining
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        rpc = details.method.rsplit("/", 1)[-1]
+        check_draining = not details.method.startswith(HEALTH_PREFIX)
+        request_id = _metadata(details).get(REQUEST_ID_KEY) or uuid.uuid4().hex[:16]
+
+        def admit(record: CallRecord, context) -> None:
+            # Runs inside the handler's task: the record it sets is that call's alone.
+            _current.set(record)
+            context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+            if check_draining and self._is_draining():
+                raise Draining("server is draining; retry on another replica")
+
+        async def fail(exc: Exception, record: CallRecord, context) -> None:
+            record.code, message = status_for(exc)
+            if record.code == grpc.StatusCode.INTERNAL:
+                log_event(log, "fault", level=logging.ERROR, exc_info=exc, request_id=request_id, rpc=rpc)
+            await context.abort(record.code, message)
+
+        def unary(behaviour):
+            async def wrapped(request, context):
+                record, t0 = CallRecord(rpc, request_id), time.perf_counter()
+                try:
+                    admit(record, context)
+                    return await behaviour(request, context)
+                except asyncio.CancelledError:
+                    record.code = grpc.StatusCode.CANCELLED
+                    raise
+                except grpc.aio.AbortError:
+                    record.code = context.code() or grpc.StatusCode.UNKNOWN
+                    raise
+                except Exception as exc:  # noqa: BLE001 - mapped to a status, never lost
+                    await fail(exc, record, context)
+                finally:
+                    self._finish(record, t0)
+            return wrapped
+
+        def stream(behaviour):
+            async def wrapped(request, context):
+                record, t0 = CallRecord(rpc, request_id), time.perf_counter()
+                try:
+                    admit(record, context)
+                    async for response in behaviour(request, context):
+                        yield response
+                except asyncio.CancelledError:
+                    record.code = grpc.StatusCode.CANCELLED
+                    raise
+                except grpc.aio.AbortError:
+                    record.code = context.code() or grpc.StatusCode.UNKNOWN
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await fail(exc, record, context)
+                finally:
+                    self._finish(record, t0)
+            return wrapped
+
+        return _rebuild(handler, unary, stream)
+
+    def _finish(self, record: CallRecord, t0: float) -> None:
+        seconds = time.perf_counter() - t0
+        if self._metrics is not None:
+            self._metrics.observe_rpc(record.rpc, record.code.name, seconds)
+        level = logging.INFO if record.code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else logging.WARNING
+        log_event(log, "rpc", level=level, request_id=record.request_id, rpc=record.rpc, rows=record.rows,
+                  status=record.code.name, latency_ms=round(seconds * 1e3, 3))
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Every RPC but the health service needs ``authorization: Bearer <token>`` metadata."""
+
+    def __init__(self, tokens):
+        self._tokens = tokens
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        if self._tokens.check(_metadata(details).get("authorization")):
+            return handler
+
+        def deny_unary(_behaviour):
+            async def denied(request, context):
+                raise Unauthenticated("missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
+            return denied
+
+        def deny_stream(_behaviour):
+            async def denied(request, context):
+                raise Unauthenticated("missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
+                yield  # an async generator, like the handler it replaces
+            return denied
+
+        return _rebuild(handler, deny_unary, deny_stream)

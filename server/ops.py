@@ -1,0 +1,505 @@
+"""The operators as domain objects: validated calls, batched launches, results.
+
+Each ``*Call`` is made from its request message by ``from_pb`` (all validation happens there,
+raising ``ValueError`` / ``TypeError`` naming the field, or :class:`TooLarge`), knows its
+batching ``key`` (calls with equal keys may share a launch; ``None`` never shares) and its
+``rows``, and launches a list of compatible calls at once with ``run_batch(calls, handle)``,
+which runs on the device's executor thread and returns one result per call. Results turn back
+into messages with ``to_pb``. Protobuf stops here: the kernels only see torch tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from logitserve import kernels
+from logitserve.v1 import logitserve_pb2 as pb
+
+from .errors import TooLarge
+from .tensors import FLOATS, INTS, PB_DTYPES, field, from_torch, rows_param, to_torch
+
+MAX_RANK = 8
+ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FILTER_ORDERS = {
+    pb.FILTER_ORDER_UNSPECIFIED: "top_k_first",
+    pb.FILTER_ORDER_TOP_K_FIRST: "top_k_first",
+    pb.FILTER_ORDER_JOINT: "joint",
+}
+# Seeds the server draws are uniform over [0, 2**63): every non-negative int64.
+SEED_BITS = 63
+
+Param = Union[int, float, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request size limits (--max-rows, --max-vocab): beyond them, RESOURCE_EXHAUSTED."""
+
+    max_rows: int
+    max_vocab: int
+
+    def check(self, name: str, rows: int, width: int) -> None:
+        if rows > self.max_rows:
+            raise TooLarge(f"{name}: {rows} rows, over this server's limit of {self.max_rows} (--max-rows)")
+        if width > self.max_vocab:
+            raise TooLarge(f"{name}: rows of {width} elements, over this server's limit of "
+                           f"{self.max_vocab} (--max-vocab)")
+
+
+def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(torch.split(t, sizes)) if len(sizes) > 1 else [t]
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sample
+
+
+def _check_values(name: str, t: torch.Tensor, ok: torch.Tensor, rule: str) -> None:
+    if not bool(ok.all()):
+        i = int((~ok).nonzero()[0, 0])
+        raise ValueError(f"{name}[{i}]: {rule}, got {t[i].item()}")
+
+
+def _float_param(msg, name: str, rows: int, default: float, ok, rule: str, path: str) -> Param:
+    """A float sampling parameter: the scalar field, or its per-row tensor ``<name>_rows``."""
+    if msg.HasField(f"{name}_rows"):
+        t = rows_param(getattr(msg, f"{name}_rows"), f"{path}{name}_rows", rows, dtypes=(torch.float32, torch.float64))
+        _check_values(f"{path}{name}_rows", t, ok(t.double()), rule)
+        return t.double()
+    if not msg.HasField(name):
+        return default
+    value = getattr(msg, name)
+    if not bool(ok(torch.tensor(value, dtype=torch.float64))):
+        raise ValueError(f"{path}{name}: {rule}, got {value}")
+    return value
+
+
+def _int_param(msg, name: str, rows: int, default: int | None, rule_min: int, path: str) -> Param | None:
+    """An integer sampling parameter (>= ``rule_min``): the scalar field or ``<name>_rows``."""
+    rule = f"must be >= {rule_min}"
+    if msg.HasField(f"{name}_rows"):
+        t = rows_param(getattr(msg, f"{name}_rows"), f"{path}{name}_rows", rows, dtypes=INTS).long()
+        _check_values(f"{path}{name}_rows", t, t >= rule_min, rule)
+        return t
+    if not msg.HasField(name):
+        return default
+    value = getattr(msg, name)
+    if value < rule_min:
+        raise ValueError(f"{path}{name}: {rule}, got {value}")
+    return value
+
+
+def _draw_seeds(rows: int) -> torch.Tensor:
+    raw = torch.frombuffer(bytearray(secrets.token_bytes(8 * rows)), dtype=torch.int64)
+    return raw & (2**SEED_BITS - 1)
+
+
+def _merge(values: list[Param], rows: list[int], dtype: torch.dtype) -> Param:
+    """Batch one parameter: a scalar when every call has the same scalar, else a per-row tensor."""
+    if not any(isinstance(v, torch.Tensor) for v in values) and len(set(values)) == 1:
+        return values[0]
+    return torch.cat([v.to(dtype) if isinstance(v, torch.Tensor) else torch.full((r,), v, dtype=dtype)
+                      for v, r in zip(values, rows)])
+
+
+def _on(value: Param | None, device: torch.device) -> Param | None:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+@dataclass(eq=False)
+class SampleCall:
+    """``kernels.sample`` on ``logits [B, V]`` with scalar or per-row parameters."""
+
+    logits: torch.Tensor
+    temperature: Param
+    top_k: Param
+    top_p: Param
+    min_p: Param
+    seed: Param
+    step: Param
+    filter_order: str
+    random_val: Param | None
+
+    op = "sample"
+
+    @classmethod
+    def from_pb(cls, msg: pb.SampleRequest, limits: Limits, path: str = "") -> "SampleCall":
+        logits = to_torch(field(msg, "logits", path), f"{path}logits", dtypes=FLOATS, ranks=(2,))
+        rows, vocab = logits.shape
+        limits.check(f"{path}logits", rows, vocab)
+        if msg.filter_order not in FILTER_ORDERS:
+            raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
+        finite = "must be finite and "
+        call = cls(
+            logits=logits,
+            temperature=_float_param(msg, "temperature", rows, 1.0, lambda t: torch.isfinite(t) & (t >= 0),
+                                     finite + ">= 0", path),
+            top_k=_int_param(msg, "top_k", rows, 0, 0, path),
+            top_p=_float_param(msg, "top_p", rows, 1.0, lambda t: (t > 0) & (t <= 1), "must be in (0, 1]", path),
+            min_p=_float_param(msg, "min_p", rows, 0.0, lambda t: (t >= 0) & (t <= 1), "must be in [0, 1]", path),
+            seed=_int_param(msg, "seed", rows, None, 0, path),
+            step=_int_param(msg, "step", rows, 0, 0, path),
+            filter_order=FILTER_ORDERS[msg.filter_order],
+            random_val=_float_param(msg, "random_val", rows, None, lambda t: (t >= 0) & (t < 1),
+                                    "must be in [0, 1)", path),
+        )
+        if call.random_val is not None and _any_nonzero(call.min_p):
+            raise ValueError(f"{path}min_p: must be 0 with random_val (InfiniCore's random_sample has no min-p)")
+        if call.seed is None:
+            call.seed = _draw_seeds(rows)
+        return call
+
+    @property
+    def rows(self) -> int:
+        return self.logits.shape[0]
+
+    @property
+    def key(self):
+        return (self.op, self.logits.dtype, self.logits.shape[1], self.filter_order, self.random_val is None)
+
+    def seeds(self) -> torch.Tensor:
+        if isinstance(self.seed, torch.Tensor):
+            return self.seed
+        return torch.full((self.rows,), self.seed, dtype=torch.int64)
+
+    @staticmethod
+    def run_batch(calls: list["SampleCall"], handle) -> list["SampleResult"]:
+        rows = [c.rows for c in calls]
+        dev = handle.device
+
+        def merged(name: str, dtype: torch.dtype) -> Param:
+            return _on(_merge([getattr(c, name) for c in calls], rows, dtype), dev)
+
+        random_val = None if calls[0].random_val is None else merged("random_val", torch.float64)
+        tokens = kernels.sample(
+            _cat([c.logits for c in calls]).to(dev),
+            temperature=merged("temperature", torch.float64), top_k=merged("top_k", torch.int64),
+            top_p=merged("top_p", torch.float64), min_p=merged("min_p", torch.float64),
+            seed=merged("seed", torch.int64), step=merged("step", torch.int64),
+            filter_order=calls[0].filter_order, random_val=random_val, backend=handle.backend,
+        ).to("cpu")
+        return [SampleResult(t, c.seeds()) for t, c in zip(_split(tokens, rows), calls)]
+
+
+def _any_nonzero(value: Param) -> bool:
+    return bool((value != 0).any()) if isinstance(value, torch.Tensor) else value != 0
+
+
+@dataclass
+class SampleResult:
+    token_ids: torch.Tensor
+    seeds: torch.Tensor
+
+    def to_pb(self) -> pb.SampleResponse:
+        ids = self.token_ids.to(torch.int64)
+        return pb.SampleResponse(token_ids=from_torch(ids), seeds=from_torch(self.seeds), valid=from_torch(ids >= 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# RouteExperts
+
+
+@dataclass(eq=False)
+class RouteExpertsCall:
+    """``kernels.topk_softmax`` on ``gate_logits [N, E]``."""
+
+    gate_logits: torch.Tensor
+    k: int
+    renormalize: bool
+
+    op = "route_experts"
+
+    @classmethod
+    def from_pb(cls, msg: pb.RouteExpertsRequest, limits: Limits, path: str = "") -> "RouteExpertsCall":
+        g = to_torch(field(msg, "gate_logits", path), f"{path}gate_logits", dtypes=ROUTE_DTYPES, ranks=(2,))
+        limits.check(f"{path}gate_logits", g.shape[0], g.shape[1])
+        experts = g.shape[1]
+        if not 1 <= msg.k <= experts:
+            raise ValueError(f"{path}k: must be in [1, E] with E = {experts} experts (gate_logits.shape[1]), "
+                             f"got {msg.k}")
+        return cls(g, msg.k, msg.renormalize)
+
+    @property
+    def rows(self) -> int:
+        return self.gate_logits.shape[0]
+
+    @property
+    def key(self):
+        return (self.op, self.gate_logits.dtype, self.gate_logits.shape[1], self.k, self.renormalize)
+
+    @staticmethod
+    def run_batch(calls: list["RouteExpertsCall"], handle) -> list["RouteExpertsResult"]:
+        rows = [c.rows for c in calls]
+        weights, indices = kernels.topk_softmax(
+            _cat([c.gate_logits for c in calls]).to(handle.device), calls[0].k,
+            renormalize=calls[0].renormalize, backend=handle.backend)
+        weights, indices = weights.to("cpu"), indices.to("cpu")
+        return [RouteExpertsResult(w, i) for w, i in zip(_split(weights, rows), _split(indices, rows))]
+
+
+@dataclass
+class RouteExpertsResult:
+    weights: torch.Tensor
+    indices: torch.Tensor
+
+    def to_pb(self) -> pb.RouteExpertsResponse:
+        return pb.RouteExpertsResponse(weights=from_torch(self.weights), indices=from_torch(self.indices))
+
+
+# ---------------------------------------------------------------------------------------------
+# Row-wise tensor ops: Softmax, CausalSoftmax, Silu / SwiGLU. Compatible calls are stacked as
+# rows of one 2-D (3-D for causal softmax) tensor and split again after the launch.
+
+
+@dataclass
+class TensorResult:
+    out: torch.Tensor
+    response: type
+
+    def to_pb(self):
+        return self.response(out=from_torch(self.out))
+
+
+def _rows_and_width(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
+    width = shape[axis]
+    return math.prod(shape) // width, width
+
+
+@dataclass(eq=False)
+class SoftmaxCall:
+    """``kernels.softmax`` along ``dim`` of a tensor of any rank."""
+
+    x: torch.Tensor
+    dim: int
+
+    op = "softmax"
+
+    @classmethod
+    def from_pb(cls, msg: pb.SoftmaxRequest, limits: Limits, path: str = "") -> "SoftmaxCall":
+        x = to_torch(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=tuple(range(1, MAX_RANK + 1)))
+        dim = msg.dim if msg.HasField("dim") else -1
+        if not -x.ndim <= dim < x.ndim:
+            raise ValueError(f"{path}dim: must be in [{-x.ndim}, {x.ndim}) for a rank-{x.ndim} x, got {dim}")
+        dim %= x.ndim
+        limits.check(f"{path}x", *_rows_and_width(tuple(x.shape), dim))
+        return cls(x, dim)
+
+    @property
+    def rows(self) -> int:
+        return _rows_and_width(tuple(self.x.shape), self.dim)[0]
+
+    @property
+    def key(self):
+        # Only last-axis softmaxes stack as rows; another axis launches alone.
+        return (self.op, self.x.dtype, self.x.shape[-1]) if self.dim == self.x.ndim - 1 else None
+
+    @staticmethod
+    def run_batch(calls: list["SoftmaxCall"], handle) -> list[TensorResult]:
+        if len(calls) == 1:
+            c = calls[0]
+            out = kernels.softmax(c.x.to(handle.device), dim=c.dim, backend=handle.backend)
+            return [TensorResult(out.to("cpu"), pb.SoftmaxResponse)]
+        width = calls[0].x.shape[-1]
+        out = kernels.softmax(_cat([c.x.reshape(-1, width) for c in calls]).to(handle.device), dim=-1,
+                              backend=handle.backend).to("cpu")
+        return [TensorResult(o.reshape(c.x.shape), pb.SoftmaxResponse)
+                for o, c in zip(_split(out, [c.rows for c in calls]), calls)]
+
+
+@dataclass(eq=False)
+class CausalSoftmaxCall:
+    """``kernels.causal_softmax`` on scores ``[S, T]`` or ``[B, S, T]``, ``T >= S``."""
+
+    x: torch.Tensor
+
+    op = "causal_softmax"
+
+    @classmethod
+    def from_pb(cls, msg: pb.CausalSoftmaxRequest, limits: Limits, path: str = "") -> "CausalSoftmaxCall":
+        x = to_torch(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=(2, 3))
+        s, t = x.shape[-2:]
+        if t < s:
+            raise ValueError(f"{path}x.shape: needs T >= S (every row sees a column), got S = {s}, T = {t}")
+        limits.check(f"{path}x", x.numel() // t, t)
+        return cls(x)
+
+    @property
+    def rows(self) -> int:
+        return self.x.numel() // self.x.shape[-1]
+
+    @property
+    def key(self):
+        return (self.op, self.x.dtype, *self.x.shape[-2:])
+
+    @staticmethod
+    def run_batch(calls: list["CausalSoftmaxCall"], handle) -> list[TensorResult]:
+        s, t = calls[0].x.shape[-2:]
+        stacked = _cat([c.x.reshape(-1, s, t) for c in calls]).to(handle.device)
+        out = kernels.causal_softmax(stacked, backend=handle.backend).to("cpu")
+        sizes = [c.x.numel() // (s * t) for c in calls]
+        return [TensorResult(o.reshape(c.x.shape), pb.CausalSoftmaxResponse)
+                for o, c in zip(_split(out, sizes), calls)]
+
+
+@dataclass(eq=False)
+class SiluCall:
+    """``kernels.silu(x)``, or ``kernels.swiglu(x, up)`` when ``up`` is given (broadcasting)."""
+
+    x: torch.Tensor
+    up: torch.Tensor | None
+
+    op = "silu"
+
+    @classmethod
+    def from_pb(cls, msg: pb.SiluRequest, limits: Limits, path: str = "") -> "SiluCall":
+        ranks = tuple(range(1, MAX_RANK + 1))
+        x = to_torch(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=ranks)
+        up = None
+        shape = tuple(x.shape)
+        if msg.HasField("up"):
+            up = to_torch(msg.up, f"{path}up", dtypes=FLOATS, ranks=ranks)
+            if up.dtype != x.dtype:
+                raise TypeError(f"{path}up.dtype: must match x.dtype ({x.dtype}), got {up.dtype}".replace("torch.", ""))
+            try:
+                shape = tuple(torch.broadcast_shapes(x.shape, up.shape))
+            except RuntimeError:
+                raise ValueError(f"{path}up.shape: {list(up.shape)} does not broadcast with x.shape "
+                                 f"{list(x.shape)}") from None
+        limits.check(f"{path}x", *_rows_and_width(shape, -1))
+        return cls(x, up)
+
+    @property
+    def rows(self) -> int:
+        return self.x.numel() // self.x.shape[-1]
+
+    @property
+    def key(self):
+        if self.up is None:
+            return ("silu", self.x.dtype, self.x.shape[-1])
+        # SwiGLU stacks only when nothing broadcasts; broadcasting calls launch alone.
+        return ("swiglu", self.x.dtype, self.x.shape[-1]) if self.up.shape == self.x.shape else None
+
+    @staticmethod
+    def run_batch(calls: list["SiluCall"], handle) -> list[TensorResult]:
+        dev, backend = handle.device, handle.backend
+        if len(calls) == 1:
+            c = calls[0]
+            out = (kernels.silu(c.x.to(dev), backend=backend) if c.up is None
+                   else kernels.swiglu(c.x.to(dev), c.up.to(dev), backend=backend))
+            return [TensorResult(out.to("cpu"), pb.SiluResponse)]
+        width = calls[0].x.shape[-1]
+        x = _cat([c.x.reshape(-1, width) for c in calls]).to(dev)
+        if calls[0].up is None:
+            out = kernels.silu(x, backend=backend)
+        else:
+            out = kernels.swiglu(x, _cat([c.up.reshape(-1, width) for c in calls]).to(dev), backend=backend)
+        out = out.to("cpu")
+        return [TensorResult(o.reshape(c.x.shape), pb.SiluResponse)
+                for o, c in zip(_split(out, [c.rows for c in calls]), calls)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Step: several of the above in one round trip.
+
+STEP_OPS = {
+    "sample": SampleCall,
+    "route_experts": RouteExpertsCall,
+    "softmax": SoftmaxCall,
+    "causal_softmax": CausalSoftmaxCall,
+    "silu": SiluCall,
+}
+
+
+@dataclass
+class StepCall:
+    """The operators one StepRequest names, each a call of its own (they batch independently)."""
+
+    id: str
+    calls: dict[str, object]
+
+    @classmethod
+    def from_pb(cls, msg: pb.StepRequest, limits: Limits) -> "StepCall":
+        calls = {name: op.from_pb(getattr(msg, name), limits, path=f"{name}.")
+                 for name, op in STEP_OPS.items() if msg.HasField(name)}
+        if not calls:
+            raise ValueError(f"step: sets none of {', '.join(STEP_OPS)}")
+        return cls(msg.id, calls)
+
+    @property
+    def rows(self) -> int:
+        return sum(c.rows for c in self.calls.values())
+
+
+@dataclass
+class StepResult:
+    id: str
+    results: dict[str, object]
+
+    def to_pb(self) -> pb.StepResponse:
+        return pb.StepResponse(id=self.id, **{name: r.to_pb() for name, r in self.results.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# Warm-up: one small call per operator and dtype, through the same launch path as requests.
+
+
+def warmup_calls(dtype: torch.dtype, widths: tuple[int, ...]) -> list[tuple[str, object]]:
+    """``(label, call)`` pairs that compile every operator for ``dtype`` at row ``widths``.
+
+    Sampling runs greedy, filtered and per-row variants, since kernels specialise on them.
+    """
+    gen = torch.Generator().manual_seed(0)
+    cases: list[tuple[str, object]] = []
+    for w in widths:
+        logits = torch.randn(2, w, generator=gen).to(dtype)
+        rows2 = torch.tensor([0.5, 1.0], dtype=torch.float64)
+        cases += [
+            (f"sample greedy V={w}", SampleCall(logits, 0.0, 0, 1.0, 0.0, 1, 0, "top_k_first", None)),
+            (f"sample top-k/top-p V={w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, 1, 0, "top_k_first", None)),
+            (f"sample per-row V={w}", SampleCall(logits, rows2, torch.tensor([0, 40]), rows2, rows2 * 0.1,
+                                                 torch.tensor([1, 2]), torch.tensor([0, 1]), "top_k_first", None)),
+            (f"softmax W={w}", SoftmaxCall(logits, 1)),
+        ]
+    x = torch.randn(2, 4, 8, generator=gen).to(dtype)
+    cases += [
+        ("causal_softmax", CausalSoftmaxCall(x)),
+        ("silu", SiluCall(x, None)),
+        ("swiglu", SiluCall(x, x)),
+    ]
+    if dtype in ROUTE_DTYPES:
+        for experts, k in ((8, 2), (64, 6), (128, 8), (256, 8)):
+            g = torch.randn(4, experts, generator=gen).to(dtype)
+            cases.append((f"route_experts E={experts} k={k}", RouteExpertsCall(g, k, True)))
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# GetServerInfo
+
+
+@dataclass
+class ServerInfo:
+    """What GetServerInfo answers: the server's version, device, backend, dtypes, limits, counters."""
+
+    version: str
+    device: str
+    device_name: str
+    backend: str
+    warmed_dtypes: list[torch.dtype]
+    limits: dict[str, int]
+    stats: dict[str, int]
+
+    def to_pb(self) -> pb.GetServerInfoResponse:
+        return pb.GetServerInfoResponse(
+            version=self.version, device=self.device, device_name=self.device_name, backend=self.backend,
+            dtypes=[PB_DTYPES[d] for d in FLOATS], warmed_dtypes=[PB_DTYPES[d] for d in self.warmed_dtypes],
+            limits=pb.Limits(**self.limits), stats=pb.ServerStats(**self.stats))

@@ -1,0 +1,93 @@
+"""Tensor messages <-> torch tensors, validated at the edge.
+
+A ``logitserve.v1.Tensor`` is ``{dtype, shape, data}`` with ``data`` the little-endian, C-order
+bytes of ``prod(shape)`` elements. :func:`to_torch` checks everything a malformed message can
+get wrong and raises ``ValueError`` / ``TypeError`` naming the field, e.g.
+``logits.data: 1000 bytes, but shape [2, 300] of float32 needs 2400``. Hosts are assumed
+little-endian (x86-64, aarch64), so the bytes are used as they come.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from logitserve.v1 import logitserve_pb2 as pb
+
+TORCH_DTYPES: dict[int, torch.dtype] = {
+    pb.DTYPE_FLOAT16: torch.float16,
+    pb.DTYPE_BFLOAT16: torch.bfloat16,
+    pb.DTYPE_FLOAT32: torch.float32,
+    pb.DTYPE_FLOAT64: torch.float64,
+    pb.DTYPE_INT32: torch.int32,
+    pb.DTYPE_INT64: torch.int64,
+    pb.DTYPE_BOOL: torch.bool,
+}
+PB_DTYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INTS = (torch.int32, torch.int64)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def field(message, name: str, path: str = "") -> pb.Tensor:
+    """The Tensor field ``name`` of ``message``; ``ValueError`` when it is not set."""
+    if not message.HasField(name):
+        raise ValueError(f"{path}{name}: required")
+    return getattr(message, name)
+
+
+def to_torch(msg: pb.Tensor, name: str, *, dtypes: tuple[torch.dtype, ...],
+             ranks: tuple[int, ...]) -> torch.Tensor:
+    """Decode ``msg`` (the field called ``name``) into a CPU tensor viewing its bytes.
+
+    ``dtypes`` and ``ranks`` are what the field accepts. The tensor shares the message's
+    immutable buffer: callers copy (to the device, or by concatenating) and never write to it.
+    """
+    if msg.dtype == pb.DTYPE_UNSPECIFIED:
+        raise ValueError(f"{name}.dtype: not set (DTYPE_UNSPECIFIED)")
+    dtype = TORCH_DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise ValueError(f"{name}.dtype: unknown value {msg.dtype}")
+    if dtype not in dtypes:
+        allowed = ", ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name}.dtype: must be one of {allowed}, got {dtype_name(dtype)}")
+    shape = list(msg.shape)
+    if len(shape) not in ranks:
+        allowed = " or ".join(str(r) for r in ranks)
+        raise ValueError(f"{name}.shape: rank must be {allowed}, got {len(shape)} (shape {shape})")
+    for axis, size in enumerate(shape):
+        if size < 1:
+            raise ValueError(f"{name}.shape: dimension {axis} is {size}; sizes must be >= 1 (no empty tensors)")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    need = math.prod(shape) * itemsize
+    if len(msg.data) != need:
+        raise ValueError(f"{name}.data: {len(msg.data)} bytes, but shape {shape} of {dtype_name(dtype)} needs {need}")
+    with warnings.catch_warnings():
+        # torch warns that bytes are not writable; the tensor is only ever read (see docstring).
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(msg.data, dtype=dtype)
+    return flat.reshape(shape)
+
+
+def from_torch(t: torch.Tensor) -> pb.Tensor:
+    """Encode a tensor (any device, any strides) as a Tensor message."""
+    t = t.detach().to("cpu").contiguous()
+    shape = list(t.shape)
+    flat = t.reshape(-1)
+    # bytes of any dtype, numpy included or not (it has no bfloat16): view as raw bytes.
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return pb.Tensor(dtype=PB_DTYPES[t.dtype], shape=shape, data=data)
+
+
+def rows_param(msg: pb.Tensor, name: str, rows: int, *, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """A per-row parameter: a ``[rows]`` tensor of one of ``dtypes``."""
+    t = to_torch(msg, name, dtypes=dtypes, ranks=(1,))
+    if t.shape[0] != rows:
+        raise ValueError(f"{name}.shape: must be [{rows}] (one value per row), got {list(t.shape)}")
+    return t
