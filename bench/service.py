@@ -18,8 +18,13 @@ RouteExperts 64x256 bfloat16, k=8. Each case runs at concurrency 1, 8 and 64 for
 calls or ``--max-seconds``, whichever ends first, after ``--warmup`` calls. Requests are
 serialized before timing and sent as raw bytes (responses are not parsed while timing), so the
 numbers are the server plus the transport, not the client's protobuf work; the first
-response of every case is parsed and checked. For the service, ``requests/launch`` is the mean
-batch the server formed (from GetServerInfo's counters before and after the case).
+response of every case is parsed and checked.
+
+For the service, the server's own Prometheus metrics (``--metrics-port``, scraped after the
+warm-up and after the timed calls) add: ``requests/launch``, the mean batch the server formed;
+``server mean us``, the mean time from a call's arrival in the server to its answer (parse,
+queue, copy, kernel, reply; not the transport); ``queue mean us``, the part of that spent
+waiting in the batcher. ``bench/service_breakdown.py`` splits the rest.
 
 Needs grpcio, grpcio-health-checking, protobuf and numpy here (not grpcio-tools: the
 generated code is checked in); the server needs what ``logitserve serve`` needs.
@@ -41,7 +46,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Iterator, Sequence
+import urllib.request
+from typing import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -185,18 +191,31 @@ def wait_serving(target: str, process: subprocess.Popen, timeout_s: float) -> No
             time.sleep(0.2)
 
 
+@dataclasses.dataclass
+class Running:
+    target: str  # host:port of the gRPC server
+    metrics_url: str | None  # its Prometheus /metrics, where it has one
+
+
 @contextlib.contextmanager
-def running(spec: ServerSpec, startup_timeout_s: float) -> Iterator[str]:
-    """Start ``spec`` on a free loopback port, yield its target once SERVING, then stop it."""
+def running(spec: ServerSpec, startup_timeout_s: float) -> Iterator[Running]:
+    """Start ``spec`` on free loopback ports, yield it once SERVING, then stop it (SIGTERM)."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="bench-service-", suffix=".log", delete=False)
     argv = spec.argv + ["--port", str(port)]
+    metrics_url = None
+    if not spec.is_echo:
+        metrics_port = free_port()
+        argv += ["--metrics-port", str(metrics_port)]
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    log = tempfile.NamedTemporaryFile("w+", prefix="bench-service-", suffix=".log", delete=False)
     print(f"# starting {spec.label}: {shlex.join(argv)} (log {log.name})", file=sys.stderr, flush=True)
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     target = f"127.0.0.1:{port}"
     try:
+        t0 = time.monotonic()
         wait_serving(target, process, startup_timeout_s)
-        yield target
+        print(f"# {spec.label} SERVING after {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+        yield Running(target, metrics_url)
     except BaseException:
         log.flush()
         with open(log.name) as f:
@@ -214,14 +233,28 @@ def running(spec: ServerSpec, startup_timeout_s: float) -> Iterator[str]:
         os.unlink(log.name)
 
 
-def server_stats(target: str) -> tuple[int, int]:
-    """(launches, batched requests) since the server started."""
-    with grpc.insecure_channel(target) as channel:
-        info = channel.unary_unary(SERVICE + "GetServerInfo",
-                                   request_serializer=pb.GetServerInfoRequest.SerializeToString,
-                                   response_deserializer=pb.GetServerInfoResponse.FromString)(
-            pb.GetServerInfoRequest(), timeout=10)
-    return info.stats.launches, info.stats.batched_requests
+def scrape(metrics_url: str) -> dict[str, float]:
+    """The server's Prometheus samples, each summed over its labels (one op runs per case)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        with contextlib.suppress(ValueError):
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _mean_delta(before: dict[str, float], after: dict[str, float], histogram: str) -> float | None:
+    count = _delta(before, after, histogram + "_count")
+    return _delta(before, after, histogram + "_sum") / count if count > 0 else None
 
 
 # -------------------------------------------------------------------------------------- load
@@ -239,6 +272,8 @@ class Result:
     p99_us: float
     calls_per_s: float
     requests_per_launch: float | None = None
+    server_mean_us: float | None = None  # arrival to answer, measured inside the server
+    queue_mean_us: float | None = None  # of that, waiting in the batcher
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -250,8 +285,12 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 async def drive(target: str, payload: Payload, concurrency: int, calls: int, warmup: int,
-                max_seconds: float, check: bool) -> tuple[list[float], dict[str, int], float]:
-    """``calls`` unary calls with ``concurrency`` in flight; latencies in us, errors, wall s."""
+                max_seconds: float, check: bool, snapshot: Callable[[], dict] | None = None):
+    """``calls`` unary calls with ``concurrency`` in flight.
+
+    Returns latencies (us), errors by code, wall seconds, and ``snapshot()`` taken after the
+    warm-up and after the timed calls (nothing is in flight at either point).
+    """
     async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         call = channel.unary_unary(payload.method)  # bytes in, bytes out
         requests = payload.requests
@@ -262,6 +301,7 @@ async def drive(target: str, payload: Payload, concurrency: int, calls: int, war
         latencies: list[float] = []
         errors: dict[str, int] = {}
         issued = 0
+        before = snapshot() if snapshot else {}
         start = time.perf_counter()
         deadline = start + max_seconds
 
@@ -280,23 +320,29 @@ async def drive(target: str, payload: Payload, concurrency: int, calls: int, war
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
-    return latencies, errors, wall
+        after = snapshot() if snapshot else {}
+    return latencies, errors, wall, before, after
 
 
-def run_case(spec: ServerSpec, target: str, payload: Payload, concurrency: int, args) -> Result:
-    before = None if spec.is_echo else server_stats(target)
-    latencies, errors, wall = asyncio.run(
-        drive(target, payload, concurrency, args.calls, args.warmup, args.max_seconds, not spec.is_echo))
-    requests_per_launch = None
-    if before is not None:
-        launches, served = server_stats(target)
-        if launches > before[0]:
-            # Requests that shared a kernel launch (a RouteExperts request is 64 rows).
-            requests_per_launch = (served - before[1]) / (launches - before[0])
+def run_case(spec: ServerSpec, server: Running, payload: Payload, concurrency: int, args) -> Result:
+    url = server.metrics_url
+    snapshot = None if url is None else (lambda: scrape(url))
+    latencies, errors, wall, before, after = asyncio.run(
+        drive(server.target, payload, concurrency, args.calls, args.warmup, args.max_seconds, not spec.is_echo,
+              snapshot))
     latencies.sort()
-    return Result(spec.label, payload.name, payload.request_bytes, concurrency, len(latencies), errors,
-                  percentile(latencies, 50), percentile(latencies, 99),
-                  len(latencies) / wall if wall > 0 else float("nan"), requests_per_launch)
+    result = Result(spec.label, payload.name, payload.request_bytes, concurrency, len(latencies), errors,
+                    percentile(latencies, 50), percentile(latencies, 99),
+                    len(latencies) / wall if wall > 0 else float("nan"))
+    if snapshot is not None:
+        launches = _delta(before, after, "logitserve_launches_total")
+        if launches > 0:
+            result.requests_per_launch = _delta(before, after, "logitserve_batch_requests_sum") / launches
+        server_s = _mean_delta(before, after, "logitserve_request_latency_seconds")
+        queue_s = _mean_delta(before, after, "logitserve_queue_time_seconds")
+        result.server_mean_us = None if server_s is None else server_s * 1e6
+        result.queue_mean_us = None if queue_s is None else queue_s * 1e6
+    return result
 
 
 # ------------------------------------------------------------------------------------ report
@@ -315,18 +361,24 @@ def machine_line(args) -> str:
             f"server device {args.device} (backend {args.backend})")
 
 
+def _opt(value: float | None, fmt: str = "{:.0f}") -> str:
+    return "" if value is None else fmt.format(value)
+
+
 def table(results: Sequence[Result]) -> list[str]:
     lines = [
-        "| payload | request bytes | concurrency | server | calls | p50 us | p99 us | calls/s | requests/launch | errors |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---|",
+        "| payload | request bytes | concurrency | server | calls | p50 us | p99 us | calls/s "
+        "| requests/launch | server mean us | queue mean us | errors |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     order = {"echo": 0, "batch off": 1, "batch on": 2}
     payload_order = {name: i for i, name in enumerate(dict.fromkeys(r.payload for r in results))}
     for r in sorted(results, key=lambda r: (payload_order[r.payload], r.concurrency, order.get(r.server, 9))):
-        rows = "" if r.requests_per_launch is None else f"{r.requests_per_launch:.1f}"
         errors = ", ".join(f"{k} {v}" for k, v in sorted(r.errors.items())) or "0"
         lines.append(f"| {r.payload} | {r.request_bytes} | {r.concurrency} | {r.server} | {r.calls} "
-                     f"| {r.p50_us:.0f} | {r.p99_us:.0f} | {r.calls_per_s:.0f} | {rows} | {errors} |")
+                     f"| {r.p50_us:.0f} | {r.p99_us:.0f} | {r.calls_per_s:.0f} "
+                     f"| {_opt(r.requests_per_launch, '{:.1f}')} | {_opt(r.server_mean_us)} "
+                     f"| {_opt(r.queue_mean_us)} | {errors} |")
     return lines
 
 
@@ -364,10 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     results: list[Result] = []
     for spec in specs:
-        with running(spec, args.startup_timeout) as target:
+        with running(spec, args.startup_timeout) as server:
             for payload in cases:
                 for c in concurrency:
-                    result = run_case(spec, target, payload, c, args)
+                    result = run_case(spec, server, payload, c, args)
                     results.append(result)
                     print(table([result])[-1], file=sys.stderr, flush=True)
     text = "\n".join(header + table(results))
