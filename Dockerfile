@@ -70,6 +70,7 @@ RUN set -eux; \
     PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install /tmp/logitserve-src; \
     rm -rf /tmp/logitserve-src; \
     python -c 'import logitserve.server, logitserve.client, logitserve.kernels'; \
+    ln -s "$(python -c 'import logitserve.server.healthcheck as h; print(h.__file__)')" "$VIRTUAL_ENV/healthcheck.py"; \
     (getent group logitserve >/dev/null || groupadd --system logitserve); \
     useradd --system --gid logitserve --home-dir /home/logitserve --create-home \
         --shell /usr/sbin/nologin logitserve
@@ -82,9 +83,11 @@ EXPOSE 50051
 
 # Asks grpc.health.v1 on the port the server was started with (read from PID 1's --port
 # flag, else LOGITSERVE_PORT, else 50051) and passes only on SERVING: NOT_SERVING lasts
-# through warm-up and draining. Docker-format images only (podman build --format docker).
+# through warm-up and draining. Run as a file (logitserve/server/healthcheck.py, linked
+# above), not with -m: importing the package would import torch, seconds per probe.
+# Docker-format images only (podman build --format docker).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-m", "logitserve.server.healthcheck"]
+    CMD ["python", "/opt/logitserve/healthcheck.py"]
 
 ENTRYPOINT ["logitserve"]
 CMD ["serve", "--host", "0.0.0.0"]

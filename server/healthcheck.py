@@ -7,6 +7,10 @@ port the server was started with: the ``--port`` flag on PID 1's command line (t
 the container's entry point), else ``LOGITSERVE_PORT``, else 50051. Exit status: 0 SERVING,
 1 anything else (NOT_SERVING during warm-up and draining, unreachable, timed out), printing
 why. Plaintext only: with TLS configured, replace the image's HEALTHCHECK.
+
+The image runs this file by its path (``python .../healthcheck.py``), because importing
+``logitserve.server`` imports torch (seconds per probe): keep it to the standard library and
+grpc, with no imports from the package.
 """
 
 from __future__ import annotations
