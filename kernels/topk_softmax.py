@@ -1,5 +1,243 @@
-"""PLACEHOLDER while the op is being written: replace this whole file."""
-def TopkSoftmaxPlan(*a, **k):
-    raise NotImplementedError('TopkSoftmaxPlan')
-def topk_softmax(*a, **k):
-    raise NotImplementedError('topk_softmax')
+"""MoE routing: softmax over the experts of each token, then the k most probable experts.
+
+One kernel, one launch. A program owns ``ROWS`` rows (tokens) as a ``[ROWS, BLOCK_E]`` tile held
+in registers: load, softmax (max-subtracted, Triton tutorial 02-fused-softmax), then the top k.
+Selection works on one int64 key per expert: the float32 bits of ``exp(x - max)`` (non-negative,
+so its bits order like its value) in the high half and ``BLOCK_E - 1 - expert`` in the low half,
+so keys are distinct and "largest key" means "largest probability, ties to the lower index".
+Small ``k`` takes ``k`` rounds of max-and-remove; larger ``k`` a bitonic top-k (``tl.topk``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._backend import launchable, resolve_backend
+from ._plan import TensorSpec, check_dtype, plan_cache
+from .reference import topk_softmax as reference
+
+# The widest expert axis: one program holds a whole row of int64 keys in registers
+# (4096 keys = 16 registers a thread per key half at 8 warps); wider rows would need a loop.
+MAX_EXPERTS = 4096
+GATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _indicator(N_DIMS: tl.constexpr, J: tl.constexpr):
+    # 0 or 1: the position along the J-th innermost axis of a [2] * N_DIMS hypercube.
+    return tl.reshape(tl.arange(0, 2), [1] * (N_DIMS - J - 1) + [2] + [1] * J)
+
+
+@triton.jit
+def _compare_and_swap(h, flip, N_DIMS: tl.constexpr, J: tl.constexpr):
+    # The partner across the J-th innermost axis is the pair's sum minus self (int64 wraps
+    # exactly); tl.sort finds it with an xor reduction, which the interpreter runs element by
+    # element: a sum keeps interpreted tests fast, compiled code is the same shuffle.
+    partner = tl.sum(h, axis=N_DIMS - 1 - J, keep_dims=True) - h
+    swap = (h > partner) != ((flip ^ _indicator(N_DIMS, J)) != 0)
+    return tl.where(swap, partner, h)
+
+
+@triton.jit
+def _bitonic_merge(h, N_DIMS: tl.constexpr, STAGE: tl.constexpr, ORDER: tl.constexpr):
+    # ORDER 1: descending; 2: alternating between neighbouring runs of 2**STAGE.
+    if ORDER == 2:
+        flip = _indicator(N_DIMS, STAGE)
+    else:
+        flip = ORDER
+    for i in tl.static_range(STAGE):
+        h = _compare_and_swap(h, flip, N_DIMS, STAGE - 1 - i)
+    return h
+
+
+@triton.jit
+def _bitonic_topk(key, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, LOG_ROWS: tl.constexpr, LOG_E: tl.constexpr,
+                  LOG_K: tl.constexpr):
+    # The 2**LOG_K largest keys of each row of key [ROWS, 2**LOG_E], descending: bitonic top-k
+    # (Shanbhag, Pirk, Madden, SIGMOD 2018), as Triton's tl.topk builds it on a hypercube.
+    h = tl.reshape(key, [2] * (LOG_ROWS + LOG_E))
+    for i in tl.static_range(1, LOG_K + 1):
+        h = _bitonic_merge(h, LOG_ROWS + LOG_E, i, 2 if i < LOG_E else 1)
+    for i in tl.static_range(LOG_K + 1, LOG_E + 1):
+        # Keep the larger of each pair of sorted runs of 2**LOG_K, then re-sort the survivors.
+        h = tl.max(h, axis=LOG_ROWS + LOG_E - i)
+        h = _bitonic_merge(h, LOG_ROWS + LOG_E - i + LOG_K, LOG_K, 2 if i < LOG_E else 1)
+    return tl.reshape(h, [ROWS, BLOCK_K])
+
+
+@launchable
+@triton.jit
+def _topk_softmax_kernel(
+    weights_ptr, indices_ptr, x_ptr,
+    out_row_stride, x_row_stride, x_col_stride,
+    n_rows, n_experts,
+    K: tl.constexpr, RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_SORT: tl.constexpr,
+    LOG_ROWS: tl.constexpr, LOG_E: tl.constexpr, LOG_K: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_E)
+    row_mask = rows < n_rows
+    col_mask = cols < n_experts
+    x_offs = rows[:, None] * x_row_stride + cols.to(tl.int64)[None, :] * x_col_stride
+    x = tl.load(x_ptr + x_offs, mask=row_mask[:, None] & col_mask[None, :], other=-float("inf"))
+    x = x.to(tl.float32)
+
+    # p = exp(x - max) / sum(exp(x - max)); padded columns load -inf and add exp(-inf) = 0.
+    row_max = tl.max(x, axis=1)
+    e = tl.exp(x - row_max[:, None])
+    total = tl.sum(e, axis=1)
+    # total is NaN exactly when the row has a NaN, a +inf (inf - inf) or no finite logit
+    # (-inf - -inf): every expert of such a row ties, so indices 0..k-1 win, with NaN weights.
+    row_ok = total == total
+    e = tl.where(row_ok[:, None], e, 1.0)
+
+    # Key: float bits of e (e >= +0, so bits order like values) above the reversed index.
+    key = (e.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols)[None, :]
+    key = tl.where(col_mask[None, :], key, -1)
+
+    kcols = tl.arange(0, BLOCK_K)
+    if USE_SORT:
+        top = _bitonic_topk(key, ROWS, BLOCK_K, LOG_ROWS, LOG_E, LOG_K)
+    else:
+        top = tl.full([ROWS, BLOCK_K], -1, tl.int64)
+        for j in range(K):
+            best = tl.max(key, axis=1)
+            top = tl.where(kcols[None, :] == j, best[:, None], top)
+            key = tl.where(key == best[:, None], -1, key)
+
+    indices = BLOCK_E - 1 - top.to(tl.int32)  # truncation keeps the low half
+    e_top = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    k_mask = kcols < K
+    weights = e_top / total[:, None]
+    if RENORMALIZE:
+        weights = weights / tl.sum(tl.where(k_mask[None, :], weights, 0.0), axis=1)[:, None]
+
+    out_offs = rows[:, None] * out_row_stride + kcols[None, :]
+    out_mask = row_mask[:, None] & k_mask[None, :]
+    tl.store(weights_ptr + out_offs, weights, mask=out_mask)
+    tl.store(indices_ptr + out_offs, indices, mask=out_mask)
+
+
+def rows_per_program(n_rows: int, block_e: int) -> int:
+    """Rows one program owns: a tile of about 2048 logits, fewer rows while that leaves under 256 programs.
+
+    2048 elements a tile keeps 8 to 16 keys a thread at 4 warps; 256 programs is about two per SM
+    of an H100 (132 SMs), below which splitting rows further shortens the critical path.
+    """
+    rows = max(1, 2048 // block_e)
+    while rows > 1 and triton.cdiv(n_rows, rows) < 256:
+        rows //= 2
+    return rows
+
+
+def num_warps_for(rows: int, block_e: int) -> int:
+    """Warps for a ``[rows, block_e]`` tile: one warp per 256 keys (8 a thread), 1 to 8 warps."""
+    return max(1, min(8, rows * block_e // 256))
+
+
+def use_sort(k: int) -> bool:
+    """Bitonic top-k (``tl.topk``) beyond 16 rounds; below, ``k`` rounds of max-and-remove are cheaper.
+
+    A round costs one tile-wide max and one compare per key; the bitonic top-k costs about
+    ``log2(k) * (log2(E) - log2(k) / 2)`` compare-and-swap passes whatever ``k`` is.
+    """
+    return k > 16
+
+
+class TopkSoftmaxPlan:
+    """Route tokens to experts: ``(weights, indices)`` of the ``k`` most probable experts per row.
+
+    Parameters
+    ----------
+    gate_logits : TensorSpec
+        ``(num_tokens, num_experts)``, float16, bfloat16 or float32, any strides;
+        ``1 <= num_experts <= 4096``.
+    k : int
+        Experts per token, ``1 <= k <= num_experts``.
+    renormalize : bool
+        Divide the ``k`` weights of a row by their sum.
+    backend : str
+        ``"auto"``, ``"triton"``, ``"interpret"`` or ``"torch"``.
+
+    Calling the plan with a tensor of that layout returns ``weights`` (float32
+    ``(num_tokens, k)``, descending) and ``indices`` (int32 ``(num_tokens, k)``). Equal
+    probabilities go to the lower expert index. A row with a NaN logit, a ``+inf`` logit, or no
+    finite logit gives NaN weights at indices ``0..k-1``; ``-inf`` logits are experts of weight 0.
+
+    Example
+    -------
+    >>> x = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    >>> w, i = TopkSoftmaxPlan(TensorSpec.of(x), 2)(x)
+    >>> i.tolist()
+    [[1, 2]]
+    """
+
+    def __init__(self, gate_logits: TensorSpec, k: int, *, renormalize: bool = False, backend: str = "auto"):
+        check_dtype("gate_logits", gate_logits.dtype, GATE_DTYPES)
+        if gate_logits.ndim != 2:
+            raise ValueError(f"gate_logits: must be 2-D (num_tokens, num_experts), got shape {gate_logits.shape}")
+        n_rows, n_experts = gate_logits.shape
+        if not 1 <= n_experts <= MAX_EXPERTS:
+            raise ValueError(f"gate_logits: num_experts must be in [1, {MAX_EXPERTS}], got {n_experts}")
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"k: must be an int, got {type(k).__name__}")
+        if not 1 <= k <= n_experts:
+            raise ValueError(f"k: must satisfy 1 <= k <= num_experts ({n_experts}), got {k}")
+        if not isinstance(renormalize, bool):
+            raise TypeError(f"renormalize: must be a bool, got {type(renormalize).__name__}")
+        self.gate_logits = gate_logits
+        self.k = k
+        self.renormalize = renormalize
+        self.backend = resolve_backend(backend, gate_logits.device)
+        self.n_rows = n_rows
+        self.workspace_size = 0
+        if self.backend == "torch":
+            self.kernel = None
+            return
+        block_e = max(2, triton.next_power_of_2(n_experts))
+        self.rows = rows_per_program(n_rows, block_e)
+        self.num_warps = num_warps_for(self.rows, block_e)
+        block_k = max(2, triton.next_power_of_2(k))  # the bitonic network needs >= 1 level
+        self.meta = dict(K=k, RENORMALIZE=renormalize, ROWS=self.rows, BLOCK_E=block_e, BLOCK_K=block_k,
+                         USE_SORT=use_sort(k), LOG_ROWS=self.rows.bit_length() - 1,
+                         LOG_E=block_e.bit_length() - 1, LOG_K=block_k.bit_length() - 1)
+        self.grid = (triton.cdiv(n_rows, self.rows),)
+        self.args = (k, gate_logits.strides[0], gate_logits.strides[1], n_rows, n_experts)
+        self.kernel = _topk_softmax_kernel.for_backend(self.backend)
+
+    def __call__(self, gate_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is None:
+            return reference.topk_softmax(gate_logits, self.k, self.renormalize)
+        device = gate_logits.device
+        weights = torch.empty((self.n_rows, self.k), dtype=torch.float32, device=device)
+        indices = torch.empty((self.n_rows, self.k), dtype=torch.int32, device=device)
+        if self.n_rows:
+            self.kernel[self.grid](weights, indices, gate_logits, *self.args,
+                                   num_warps=self.num_warps, **self.meta)
+        return weights, indices
+
+
+_cached_plan = plan_cache(TopkSoftmaxPlan)
+
+
+def topk_softmax(gate_logits: torch.Tensor, k: int, *, renormalize: bool = False,
+                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most probable experts of each token: ``(weights float32, indices int32)``, ``(num_tokens, k)``.
+
+    ``gate_logits`` is ``(num_tokens, num_experts)`` in float16, bfloat16 or float32 with
+    ``num_experts <= 4096``. See :class:`TopkSoftmaxPlan` for the full contract.
+
+    Example
+    -------
+    >>> w, i = topk_softmax(torch.tensor([[0.0, 2.0, 1.0]]), 2, renormalize=True)
+    >>> i.tolist(), round(w.sum().item(), 6)
+    ([[1, 2]], 1.0)
+    """
+    if not isinstance(gate_logits, torch.Tensor):
+        raise TypeError(f"gate_logits: must be a torch.Tensor, got {type(gate_logits).__name__}")
+    plan = _cached_plan(TensorSpec.of(gate_logits), k, renormalize=renormalize, backend=backend)
+    return plan(gate_logits)
