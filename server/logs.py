@@ -48,3 +48,8 @@ def log_event(logger: logging.Logger, event: str, *, level: int = logging.INFO, 
     """Log one event with its fields (request id, rpc, rows, status, latency, ...)."""
     if logger.isEnabledFor(level):
         logger.log(level, event, extra={"fields": fields}, exc_info=exc_info)
+
+
+# Library convention: until configure() runs (the CLI does), warnings are not printed by
+# logging's last-resort handler; in-process users attach their own handlers.
+logging.getLogger(_ROOT).addHandler(logging.NullHandler())

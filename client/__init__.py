@@ -1,0 +1,18 @@
+"""logitserve's Python client: numpy or torch in, numpy out.
+
+    from logitserve.client import Client
+    with Client("127.0.0.1:50051") as client:
+        result = client.sample(logits, temperature=0.7, top_p=0.9)   # logits: (batch, vocab)
+        result.token_ids, result.seeds, result.valid
+
+``AsyncClient`` takes the same arguments for asyncio. Failed calls raise
+:class:`LogitServeError` (``.code``, a ``grpc.StatusCode``, and ``.details``). Needs grpcio,
+protobuf and numpy; torch is optional (torch tensors are accepted when it is installed, and
+:func:`~logitserve.client.codec.decode_torch` keeps bfloat16 results as bfloat16).
+"""
+
+from .client import AsyncClient, Client
+from .errors import LogitServeError
+from .messages import SampleResult, ServerInfo, StepResult
+
+__all__ = ["AsyncClient", "Client", "LogitServeError", "SampleResult", "ServerInfo", "StepResult"]
