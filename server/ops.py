@@ -18,6 +18,7 @@ from typing import Union
 import torch
 
 from logitserve import kernels
+from logitserve.kernels.topk_softmax import MAX_EXPERTS
 from logitserve.v1 import logitserve_pb2 as pb
 
 from .errors import TooLarge
@@ -223,6 +224,8 @@ class RouteExpertsCall:
         g = to_torch(field(msg, "gate_logits", path), f"{path}gate_logits", dtypes=ROUTE_DTYPES, ranks=(2,))
         limits.check(f"{path}gate_logits", g.shape[0], g.shape[1])
         experts = g.shape[1]
+        if experts > MAX_EXPERTS:
+            raise ValueError(f"{path}gate_logits.shape: at most {MAX_EXPERTS} experts, got E = {experts}")
         if not 1 <= msg.k <= experts:
             raise ValueError(f"{path}k: must be in [1, E] with E = {experts} experts (gate_logits.shape[1]), "
                              f"got {msg.k}")
