@@ -57,8 +57,15 @@ def _jit_calls_interpreted(memo: dict):
     # triton.language's own globals, out of reach of the swap above; calling one outside a
     # compiled kernel raises. While an interpreted launch runs, route every JITFunction call
     # to its interpreted twin.
+    # The library's own functions run unchanged (as under TRITON_INTERPRET=1), so its combine
+    # functions keep their identity and the interpreter's vectorised reductions apply.
+    def call(jit_fn, *args, **kwargs):
+        if id(jit_fn) not in memo:
+            memo[id(jit_fn)] = (jit_fn, InterpretedFunction(jit_fn.fn))
+        return memo[id(jit_fn)][1](*args, **kwargs)
+
     original = JITFunction.__call__
-    JITFunction.__call__ = lambda self, *args, **kwargs: _interpreted(self, memo)(*args, **kwargs)
+    JITFunction.__call__ = call
     try:
         yield
     finally:
