@@ -148,6 +148,14 @@ def use_sort(k: int) -> bool:
     return k > 16
 
 
+def _check_option_types(k, renormalize) -> None:
+    # Also checked before the plan cache, whose keys cannot tell 2.0 from 2 or 1 from True.
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k: must be an int, got {type(k).__name__}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize: must be a bool, got {type(renormalize).__name__}")
+
+
 class TopkSoftmaxPlan:
     """Route tokens to experts: ``(weights, indices)`` of the ``k`` most probable experts per row.
 
@@ -183,12 +191,9 @@ class TopkSoftmaxPlan:
         n_rows, n_experts = gate_logits.shape
         if not 1 <= n_experts <= MAX_EXPERTS:
             raise ValueError(f"gate_logits: num_experts must be in [1, {MAX_EXPERTS}], got {n_experts}")
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise TypeError(f"k: must be an int, got {type(k).__name__}")
+        _check_option_types(k, renormalize)
         if not 1 <= k <= n_experts:
             raise ValueError(f"k: must satisfy 1 <= k <= num_experts ({n_experts}), got {k}")
-        if not isinstance(renormalize, bool):
-            raise TypeError(f"renormalize: must be a bool, got {type(renormalize).__name__}")
         self.gate_logits = gate_logits
         self.k = k
         self.renormalize = renormalize
@@ -209,12 +214,18 @@ class TopkSoftmaxPlan:
         self.args = (k, gate_logits.strides[0], gate_logits.strides[1], n_rows, n_experts)
         self.kernel = _topk_softmax_kernel.for_backend(self.backend)
 
-    def __call__(self, gate_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, gate_logits: torch.Tensor, weights: torch.Tensor | None = None,
+                 indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch; ``weights`` / ``indices``, when given, must be contiguous ``(num_tokens, k)`` float32 / int32."""
         if self.kernel is None:
-            return reference.topk_softmax(gate_logits, self.k, self.renormalize)
+            ref_weights, ref_indices = reference.topk_softmax(gate_logits, self.k, self.renormalize)
+            return (ref_weights if weights is None else weights.copy_(ref_weights),
+                    ref_indices if indices is None else indices.copy_(ref_indices))
         device = gate_logits.device
-        weights = torch.empty((self.n_rows, self.k), dtype=torch.float32, device=device)
-        indices = torch.empty((self.n_rows, self.k), dtype=torch.int32, device=device)
+        if weights is None:
+            weights = torch.empty((self.n_rows, self.k), dtype=torch.float32, device=device)
+        if indices is None:
+            indices = torch.empty((self.n_rows, self.k), dtype=torch.int32, device=device)
         if self.n_rows:
             self.kernel[self.grid](weights, indices, gate_logits, *self.args,
                                    num_warps=self.num_warps, **self.meta)
@@ -239,5 +250,6 @@ def topk_softmax(gate_logits: torch.Tensor, k: int, *, renormalize: bool = False
     """
     if not isinstance(gate_logits, torch.Tensor):
         raise TypeError(f"gate_logits: must be a torch.Tensor, got {type(gate_logits).__name__}")
+    _check_option_types(k, renormalize)
     plan = _cached_plan(TensorSpec.of(gate_logits), k, renormalize=renormalize, backend=backend)
     return plan(gate_logits)
