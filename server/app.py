@@ -115,6 +115,7 @@ class Service:
         grace = self.config.grace_period_s if grace is None else grace
         log_event(log, "draining", grace_s=grace, queued=self.batcher.queue_depth)
         self.draining = True
+        self.batcher.flush()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.batcher.close()

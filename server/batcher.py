@@ -9,12 +9,17 @@ client cancelled are gone and calls past their deadline fail with DEADLINE_EXCEE
 is bounded: at ``max_queue`` waiting calls, :meth:`Batcher.submit` raises :class:`QueueFull` at
 once. When a launch of several calls fails, each call is retried alone, so one bad request
 cannot fail its neighbours.
+
+``Batcher.before_launch`` is a test hook, set only in-process (tests, ``bench/server_process.py``)
+and never from the wire: called with a launch's calls on the device thread just before the
+kernels run, it can raise (a device fault: those calls fail with INTERNAL) or sleep (a slow batch).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .errors import DeadlineExpired, Draining, QueueFull
 from .logs import get_logger, log_event
@@ -54,6 +59,7 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._closed = False
+        self.before_launch: Callable[[list], None] | None = None  # test hook: see the module docstring
 
     @property
     def queue_depth(self) -> int:
@@ -159,7 +165,7 @@ class Batcher:
         self.launches += 1
         self.batched_requests += len(calls)
         try:
-            results = await self.handle.submit(type(calls[0]).run_batch, calls, self.handle)
+            results = await self.handle.submit(self._run_batch, type(calls[0]).run_batch, calls)
         except Exception as exc:  # noqa: BLE001 - handed to the calls, or isolated below
             if len(batch) == 1:
                 self._resolve(batch[0], exc=exc)
@@ -171,6 +177,13 @@ class Batcher:
         for p, result in zip(batch, results):
             self._resolve(p, result=result)
 
+    def _run_batch(self, run_batch, calls: list) -> list:
+        """On the device thread: the test hook (if set), then the op's batched launch."""
+        hook = self.before_launch
+        if hook is not None:
+            hook(calls)
+        return run_batch(calls, self.handle)
+
     @staticmethod
     def _resolve(pending: _Pending, *, result=None, exc: BaseException | None = None) -> None:
         if pending.future.done():  # cancelled by its client while the launch ran
@@ -179,6 +192,13 @@ class Batcher:
             pending.future.set_exception(exc)
         else:
             pending.future.set_result(result)
+
+    def flush(self) -> None:
+        """Make every waiting group ready now (draining: no one else is coming to join them)."""
+        now = asyncio.get_running_loop().time()
+        for group in self._groups.values():
+            group.ready_at = min(group.ready_at, now)
+        self._wakeup.set()
 
     async def close(self) -> None:
         """Stop the worker; calls still queued fail with :class:`Draining`."""

@@ -111,18 +111,25 @@ async def serve(config: ServerConfig) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def parse(argv: list[str] | None = None, environ=os.environ) -> tuple[str, ServerConfig | None]:
+    """``(command, config)`` from the command line and environment; bad values exit 2 with usage."""
+    parser = build_parser(environ)
     args = parser.parse_args(argv)
-    if args.command == "version":
+    if args.command != "serve":
+        return args.command, None
+    try:
+        return args.command, config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    command, config = parse(argv)
+    if command == "version":
         from . import __version__
 
         print(__version__)
         return 0
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
     configure(config.log_level)
     try:
         return asyncio.run(serve(config))
