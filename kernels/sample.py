@@ -1,5 +1,344 @@
-"""PLACEHOLDER while the op is being written: replace this whole file."""
-def SamplePlan(*a, **k):
-    raise NotImplementedError('SamplePlan')
-def sample(*a, **k):
-    raise NotImplementedError('sample')
+"""sample: temperature / top-k / top-p / min-p sampling and greedy decoding of ``logits [B, V]``.
+
+The Triton path is four kernels (``_sampling_chunks.py``: statistics, merge, gather;
+``_sampling_finish.py``: the draw), built around two ideas:
+
+- The draw is the exponential race ``argmax_i p_i / E_i`` over the kept tokens, with ``E_i`` a
+  pure function of ``(seed, step, i)`` (``_sampling_noise.py``): no sort, no cumulative sum,
+  and a row draws the same token whatever its batch, its neighbours or the backend.
+- Every filter keeps the tokens at or above some value, so the kept set is decided by a few
+  thresholds. A bound ``L`` on the k-th largest logit gathers a short candidate list that holds
+  every token above it; with top-k (or a peaked distribution) the thresholds and the draw come
+  from that list. Otherwise the last kernel walks the row (see ``_sampling_finish.py``).
+
+Per-row parameter tensors on the CPU are checked on the host (``ValueError``). On CUDA their
+values are checked inside the merge kernel instead, since reading them back would cost a device
+synchronisation: a row whose parameter breaks its rule returns -1 (the server checks values it
+reads off the wire before calling).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+
+import torch
+import triton
+
+from ._backend import resolve_backend
+from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_same_device, plan_cache
+from ._sampling_chunks import _chunk_stats, _gather, _row_merge
+from ._sampling_finish import _finish, _random_val
+from ._sampling_noise import split_u64
+from .reference import sample as reference
+
+FILTER_ORDERS = ("top_k_first", "joint")
+OUT_DTYPES = (torch.int32, torch.int64)
+INT_DTYPES = (torch.int32, torch.int64)
+PARAM_DTYPES = {"temperature": FLOAT_DTYPES, "top_k": INT_DTYPES, "top_p": FLOAT_DTYPES, "min_p": FLOAT_DTYPES,
+                "seed": INT_DTYPES, "step": INT_DTYPES, "random_val": FLOAT_DTYPES}
+
+# Candidate list slots per row. A top_k up to GATHER_TOP_K_MAX (or, without top_k, the
+# GATHER_DEFAULT_K largest logits) sets the gather bound; on random logits the list then holds
+# about k + k^2 / (2 * groups) tokens (k tokens falling in distinct groups, plus collisions),
+# under 140 for k = 128 and 2048 groups: 256 slots leave room for ties.
+CANDIDATE_SLOTS = 256
+GATHER_TOP_K_MAX = 128
+GATHER_DEFAULT_K = 128
+# Group maxima per row, at most: the merge selects among them in one block of registers.
+MAX_GROUPS = 2048
+
+
+def chunk_settings(n_cols: int) -> tuple[int, int, int]:
+    """``(CH, NG, num_warps)``: chunk width, strided groups per chunk, warps of the split passes.
+
+    4096 columns (16 KB of float32) per program spreads a 128K-vocabulary row over 32 programs
+    (the latency case, one row) and a batch of 256 rows over 8192 (the throughput case), with 32
+    values a thread at 4 warps, as Triton's fused-softmax tutorial sizes a block. The widths
+    depend on V alone, so a row's floating-point sums do not change with the batch. Groups: as
+    many as keeps the row's total within MAX_GROUPS.
+    """
+    ch = min(4096, triton.next_power_of_2(max(n_cols, 16)))
+    n_chunks = triton.cdiv(n_cols, ch)
+    ng = min(ch, max(1, 1 << (max(1, MAX_GROUPS // n_chunks).bit_length() - 1)))
+    return ch, ng, 4
+
+
+def finish_settings(n_cols: int) -> tuple[int, int, int]:
+    """``(BLOCK, SELECT_BLOCK, num_warps)`` of the per-row kernels' passes over a whole row.
+
+    A walk pass keeps a running sum and best per lane (no reduction per block): 2048 lanes over
+    8 warps, 8 a thread. A selection round compares each value with 16 digits, a [block, 16]
+    tile: 256 rows of it keep the tile at 16 values a thread.
+    """
+    return min(2048, triton.next_power_of_2(max(n_cols, 16))), 256, 8
+
+
+def _layout(n_rows: int, n_chunks: int, n_groups: int, ct_size: int) -> tuple[dict[str, int], int]:
+    """Byte offsets of the workspace's arrays (16-byte aligned) and its total size."""
+    sizes = {"stats": 2 * n_rows * n_chunks * ct_size, "flags": 2 * n_rows * n_chunks * 4,
+             "groups": n_rows * n_groups * ct_size, "rowf": 2 * n_rows * ct_size, "rowi": 2 * n_rows * 8,
+             "count": n_rows * 4, "cx": n_rows * CANDIDATE_SLOTS * ct_size, "ci": n_rows * CANDIDATE_SLOTS * 4}
+    offsets, total = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = total
+        total += (size + 15) // 16 * 16
+    return offsets, total
+
+
+class SamplePlan:
+    """Draws one token id per row of ``logits (batch_size, vocab_size)``; see :func:`sample`.
+
+    Created from the logits layout and the static options: which parameters are per-row tensors
+    (pass their :class:`TensorSpec`; ``None`` means a Python scalar), ``random_val_mode``,
+    ``filter_order``, ``out_dtype`` and ``backend``. Calling it launches with no further checks::
+
+        plan = SamplePlan(TensorSpec.of(logits), top_k=TensorSpec.of(ks))
+        plan(logits, out, temperature=0.8, top_k=ks, top_p=0.9, seed=7, step=3)
+
+    ``workspace_size`` bytes of scratch are allocated per call unless ``workspace`` (a uint8
+    tensor on the device, at least that large) is passed; calls sharing one must be stream-ordered.
+    """
+
+    def __init__(self, logits: TensorSpec, *, temperature: TensorSpec | None = None, top_k: TensorSpec | None = None,
+                 top_p: TensorSpec | None = None, min_p: TensorSpec | None = None, seed: TensorSpec | None = None,
+                 step: TensorSpec | None = None, random_val: TensorSpec | None = None, random_val_mode: bool = False,
+                 filter_order: str = "top_k_first", out_dtype: torch.dtype = torch.int64, backend: str = "auto"):
+        if logits.ndim != 2:
+            raise ValueError(f"logits: must be 2-D (batch_size, vocab_size), got shape {list(logits.shape)}")
+        check_dtype("logits", logits.dtype, FLOAT_DTYPES)
+        if logits.shape[1] < 1:
+            raise ValueError("logits: vocab_size must be >= 1, got 0")
+        if filter_order not in FILTER_ORDERS:
+            raise ValueError(f"filter_order must be one of {FILTER_ORDERS}, got {filter_order!r}")
+        check_dtype("out_dtype", out_dtype, OUT_DTYPES)
+        self.n_rows, self.n_cols = logits.shape
+        specs = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed,
+                 "step": step, "random_val": random_val}
+        for name, spec in specs.items():
+            if spec is None:
+                continue
+            check_dtype(name, spec.dtype, PARAM_DTYPES[name])
+            if spec.shape != (self.n_rows,):
+                raise ValueError(f"{name}: a per-row tensor must have shape [{self.n_rows}], got {list(spec.shape)}")
+            check_same_device(name, spec, logits.device)
+        self.per_row = {name: spec is not None for name, spec in specs.items()}
+        self.random_val_mode = random_val_mode or random_val is not None
+        self.filter_order, self.out_dtype = filter_order, out_dtype
+        self.backend = resolve_backend(backend, logits.device)
+        self.is_f64 = logits.dtype == torch.float64
+        self.chunk, self.groups, self.warps = chunk_settings(self.n_cols)
+        self.n_chunks = triton.cdiv(self.n_cols, self.chunk)
+        self.n_groups = self.n_chunks * self.groups
+        self.block, self.select_block, self.finish_warps = finish_settings(self.n_cols)
+        ct_size = 8 if self.is_f64 else 4
+        self.offsets, self.workspace_size = _layout(self.n_rows, self.n_chunks, self.n_groups, ct_size)
+        if self.backend == "torch":
+            self.workspace_size = 0
+        else:
+            self.kernels = [k.for_backend(self.backend) for k in (_chunk_stats, _row_merge, _gather, _finish,
+                                                                   _random_val)]
+
+    def __call__(self, logits: torch.Tensor, out: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                 seed=0, step=0, random_val=None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+        if self.n_rows == 0:
+            return out
+        if self.backend == "torch":
+            return self._reference(logits, out, temperature, top_k, top_p, min_p, seed, step, random_val)
+        stats, merge, gather_kernel, finish, random_val_kernel = self.kernels
+        ws = workspace if workspace is not None else torch.empty(self.workspace_size, dtype=torch.uint8,
+                                                                   device=logits.device)
+        o = self.offsets
+        n_rows, n_cols = self.n_rows, self.n_cols
+        t = _arg(temperature, float)
+        k = _arg(top_k, lambda v: min(int(v), n_cols))
+        p, mp = _arg(top_p, float), _arg(min_p, float)
+        rv = _arg(random_val if self.random_val_mode else 0.0, float)
+        greedy = (not self.per_row["temperature"] and temperature == 0) or (not self.per_row["top_k"] and top_k == 1)
+        if greedy:
+            gather = with_softmax = False
+        elif self.random_val_mode:
+            gather, with_softmax = False, True
+        else:
+            with_softmax = True
+            k_scalar = not self.per_row["top_k"]
+            pure_temperature = (k_scalar and (top_k == 0 or top_k >= n_cols) and not self.per_row["top_p"]
+                                and top_p >= 1 and not self.per_row["min_p"] and min_p == 0)
+            gather = not (pure_temperature or (k_scalar and GATHER_TOP_K_MAX < top_k < n_cols))
+        flags = dict(T_TENSOR=self.per_row["temperature"], IS_F64=self.is_f64)
+        rs, cs = logits.stride()
+        grid2 = (n_rows, self.n_chunks)
+        stats[grid2](ws, logits, rs, cs, *t, n_cols, self.n_chunks, self.n_groups, o["stats"], o["flags"],
+                     o["groups"], CH=self.chunk, NG=self.groups, WITH_SOFTMAX=with_softmax, WITH_GROUPS=gather,
+                     num_warps=self.warps, **flags)
+        per_row = dict(K_TENSOR=self.per_row["top_k"], P_TENSOR=self.per_row["top_p"],
+                       MP_TENSOR=self.per_row["min_p"], **flags)
+        merge[(n_rows,)](out, ws, *t, *k, *p, *mp, *rv, n_cols, self.n_chunks, self.n_groups, o["stats"], o["flags"],
+                         o["groups"], o["rowf"], o["rowi"], o["count"], RV_MODE=self.random_val_mode,
+                         RV_TENSOR=self.per_row["random_val"], CH=self.chunk, NG=self.groups,
+                         CB=triton.next_power_of_2(self.n_chunks), GB=triton.next_power_of_2(self.n_groups),
+                         WITH_SOFTMAX=with_softmax, WITH_GROUPS=gather, K_GATHER_MAX=GATHER_TOP_K_MAX,
+                         K_GATHER_DEFAULT=GATHER_DEFAULT_K, CAP=CANDIDATE_SLOTS, num_warps=8, **per_row)
+        if greedy:
+            return out
+        if self.random_val_mode:
+            random_val_kernel[(n_rows,)](out, ws, logits, rs, cs, *t, *k, *p, *mp, *rv, n_cols, o["rowf"], o["rowi"],
+                                         RV_TENSOR=self.per_row["random_val"], BLOCK=self.block,
+                                         SELECT_BLOCK=self.select_block, num_warps=self.finish_warps, **per_row)
+            return out
+        if gather:
+            gather_kernel[grid2](ws, logits, rs, cs, n_cols, o["rowi"], o["count"], o["cx"], o["ci"],
+                                   IS_F64=self.is_f64, CH=self.chunk, CAP=CANDIDATE_SLOTS, num_warps=self.warps)
+        finish[(n_rows,)](out, ws, logits, rs, cs, *t, *k, *p, *mp, *_u64_arg(seed), *_u64_arg(step), n_cols,
+                          o["rowf"], o["rowi"], o["count"], o["cx"], o["ci"], SEED_TENSOR=self.per_row["seed"],
+                          STEP_TENSOR=self.per_row["step"], TOP_K_FIRST=self.filter_order == "top_k_first",
+                          GATHER=gather, CAP=CANDIDATE_SLOTS, BLOCK=self.block, SELECT_BLOCK=self.select_block,
+                          num_warps=self.finish_warps, **per_row)
+        return out
+
+    def _reference(self, logits, out, temperature, top_k, top_p, min_p, seed, step, random_val):
+        def full(value, dtype):
+            if isinstance(value, torch.Tensor):
+                return value
+            return torch.full((self.n_rows,), value, dtype=dtype, device=logits.device)
+
+        seed = seed if isinstance(seed, torch.Tensor) else _as_int64(seed)
+        step = step if isinstance(step, torch.Tensor) else _as_int64(step)
+        tokens = reference.sample(
+            logits, full(temperature, torch.float32), full(top_k, torch.int64), full(top_p, torch.float32),
+            full(min_p, torch.float32), full(seed, torch.int64), full(step, torch.int64),
+            filter_order=self.filter_order, out_dtype=self.out_dtype,
+            random_val=full(random_val, torch.float32) if self.random_val_mode else None)
+        return out.copy_(tokens)
+
+
+def _arg(value, convert) -> tuple:
+    """A per-row parameter as kernel arguments: (tensor, its stride) or (scalar, 0)."""
+    if isinstance(value, torch.Tensor):
+        return value, value.stride(0)
+    return convert(value), 0
+
+
+def _u64_arg(value) -> tuple:
+    """A seed or step as kernel arguments: (tensor, 0, stride) or its (lo, hi, 0) int32 halves."""
+    if isinstance(value, torch.Tensor):
+        return value, 0, value.stride(0)
+    return (*split_u64(int(value)), 0)
+
+
+def _as_int64(value: int) -> int:
+    """A Python int taken modulo 2**64, as the int64 with that bit pattern."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >> 63 else value
+
+
+_cached_plan = plan_cache(SamplePlan)
+
+_RULES = {
+    "temperature": ("finite and >= 0", lambda v: (v >= 0) & torch.isfinite(v) if torch.is_tensor(v)
+                    else math.isfinite(v) and v >= 0),
+    "top_k": (">= 0 (0 turns it off; a value above vocab_size keeps every token)", lambda v: v >= 0),
+    "top_p": ("in (0, 1] (1 turns it off)", lambda v: (v > 0) & (v <= 1)),
+    "min_p": ("in [0, 1] (0 turns it off)", lambda v: (v >= 0) & (v <= 1)),
+    "random_val": ("in [0, 1)", lambda v: (v >= 0) & (v < 1)),
+}
+
+
+def _check_param(name: str, value, n_rows: int, integer: bool) -> None:
+    """Type and value rules for one parameter: a Python scalar, or a [B] tensor (values checked on the CPU)."""
+    rule, ok = _RULES[name]
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.ndim == 1 and value.shape[0] == n_rows and value.dtype in \
+                PARAM_DTYPES[name]:
+            bad = (~ok(value)).nonzero()
+            if bad.numel():
+                row = bad[0, 0].item()
+                raise ValueError(f"{name} must be {rule}, got {value[row].item()} in row {row}")
+        return
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an int" if integer else "a float"
+        raise TypeError(f"{name} must be {kind} or a [batch_size] tensor, got {type(value).__name__}")
+    if not ok(value):
+        raise ValueError(f"{name} must be {rule}, got {value}")
+
+
+def _check_counter(name: str, value, low: int, high: int, text: str) -> None:
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or a [batch_size] int64 tensor, got {type(value).__name__}")
+    if not low <= value < high:
+        raise ValueError(f"{name} must be an integer in {text}, got {value}")
+
+
+def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0,
+           filter_order: str = "top_k_first", random_val=None, out_dtype: torch.dtype = torch.int64,
+           backend: str = "auto") -> torch.Tensor:
+    """Draw one token id per row of ``logits``.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``(batch_size, vocab_size)``, float16 / bfloat16 / float32 / float64, any strides.
+    temperature, top_k, top_p, min_p : scalar or ``(batch_size,)`` tensor
+        ``temperature == 0`` or ``top_k == 1`` is greedy (arg-max, lowest index on ties).
+        Otherwise ``p = softmax(logits / temperature)`` is filtered: ``top_k`` keeps the k
+        largest (0: off; above vocab_size: every token), ``top_p`` the smallest most-probable
+        set reaching that mass (1: off), ``min_p`` drops ``p < min_p * max(p)`` (0: off). Ties
+        with a filter's boundary token are kept. The draw follows ``p`` over the kept tokens.
+    seed, step : int or ``(batch_size,)`` int64 tensor
+        The noise is a pure function of ``(seed, step, token index)`` (64-bit each), so a row
+        draws the same token in any batch and on any backend (but for floating-point near-ties).
+        ``seed=None`` draws one 63-bit seed per call from ``secrets``; to replay a call, pass
+        explicit seeds.
+    filter_order : ``"top_k_first"`` (HF transformers, vLLM: top-p over the renormalised top-k)
+        or ``"joint"`` (InfiniCore: in the top-k set and in the unfiltered top-p nucleus).
+    random_val : None, float or ``(batch_size,)`` tensor in [0, 1)
+        Reproduce InfiniCore's ``random_sample`` with these uniforms instead of the noise
+        (``min_p`` must be 0; ``filter_order`` does not apply).
+    out_dtype : torch.int64 or torch.int32
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch_size,)`` token ids; -1 for a row with a NaN, with no finite logit, or (per-row
+        CUDA tensors) with a parameter that breaks its rule.
+
+    Examples
+    --------
+    >>> logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 5.0, -1.0]])
+    >>> sample(logits, temperature=0.0).tolist()
+    [1, 0]
+    >>> sample(logits, top_k=1, seed=3).tolist()
+    [1, 0]
+    """
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.ndim != 2:
+        raise ValueError(f"logits: must be 2-D (batch_size, vocab_size), got shape {list(logits.shape)}")
+    n_rows = logits.shape[0]
+    if seed is None:
+        seed = secrets.randbits(63)
+    for name, value, integer in (("temperature", temperature, False), ("top_k", top_k, True),
+                                 ("top_p", top_p, False), ("min_p", min_p, False)):
+        _check_param(name, value, n_rows, integer)
+    _check_counter("seed", seed, -(1 << 63), 1 << 64, "[-2**63, 2**64)")
+    _check_counter("step", step, 0, 1 << 63, "[0, 2**63)")
+    if random_val is not None:
+        _check_param("random_val", random_val, n_rows, False)
+        if not isinstance(min_p, torch.Tensor) and min_p != 0:
+            raise ValueError(f"min_p must be 0 when random_val is given, got {min_p}")
+        if isinstance(min_p, torch.Tensor) and min_p.device.type == "cpu" and bool((min_p != 0).any()):
+            raise ValueError("min_p must be 0 when random_val is given, got a nonzero per-row value")
+
+    def spec(value):
+        return TensorSpec.of(value) if isinstance(value, torch.Tensor) else None
+
+    plan = _cached_plan(TensorSpec.of(logits), temperature=spec(temperature), top_k=spec(top_k), top_p=spec(top_p),
+                        min_p=spec(min_p), seed=spec(seed), step=spec(step), random_val=spec(random_val),
+                        random_val_mode=random_val is not None, filter_order=filter_order, out_dtype=out_dtype,
+                        backend=backend)
+    out = torch.empty(n_rows, dtype=out_dtype, device=logits.device)
+    return plan(logits, out, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step,
+                random_val=random_val)

@@ -1,0 +1,128 @@
+"""Order keys and radix selection for ``sample``: the k-th largest value and mass thresholds.
+
+A float maps to an unsigned integer key of its width that sorts like the float (the radix-sort
+trick: flip every bit of a negative, set the sign bit of a positive; -0.0 is first made +0.0 so
+that equal floats get equal keys). Selection then builds the answer key four bits at a time from
+the top: the largest key ``K`` with ``count(key >= K) >= k`` is the k-th largest key, and the
+largest with ``mass(key >= K) >= target`` is where a descending cumulative mass reaches the
+target. Each round tests the 16 next digits at once, so 8 rounds settle a float32 key and 16 a
+float64 one, in registers (``*_in_block``) or by passes over a row (``row_select_key``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def to_compute(x, IS_F64: tl.constexpr):
+    """Kernels compute in float32, and in float64 for float64 input."""
+    if IS_F64:
+        return x.to(tl.float64)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def order_key(x, IS_F64: tl.constexpr):
+    """Unsigned key that orders like ``x`` (x has no NaN; -0.0 and +0.0 share a key)."""
+    x = tl.where(x == 0, 0.0, x).to(x.dtype)
+    if IS_F64:
+        b = x.to(tl.uint64, bitcast=True)
+        return tl.where((b >> 63) == 1, ~b, b | 0x8000000000000000)
+    else:
+        b = x.to(tl.uint32, bitcast=True)
+        return tl.where((b >> 31) == 1, ~b, b | 0x80000000)
+
+
+@triton.jit
+def key_value(key, IS_F64: tl.constexpr):
+    """The float a key came from (inverse of ``order_key``)."""
+    if IS_F64:
+        b = tl.where(key < 0x8000000000000000, ~key, key ^ 0x8000000000000000)
+        return b.to(tl.float64, bitcast=True)
+    else:
+        b = tl.where(key < 0x80000000, ~key, key ^ 0x80000000)
+        return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def key_bits_to_i64(key, IS_F64: tl.constexpr):
+    """A key stored in an int64 slot of the workspace (bit pattern kept)."""
+    if IS_F64:
+        return key.to(tl.int64, bitcast=True)
+    else:
+        return key.to(tl.int64)
+
+
+@triton.jit
+def key_from_i64(v, IS_F64: tl.constexpr):
+    if IS_F64:
+        return v.to(tl.uint64, bitcast=True)
+    else:
+        return v.to(tl.uint32)
+
+
+@triton.jit
+def rel_weight(x, m, inv_t):
+    """w = p / max(p) = exp((x - m) / T), exactly 1 at the max (also when the max is +inf)."""
+    return tl.exp(tl.where(x == m, 0.0, (x - m) * inv_t).to(x.dtype))
+
+
+@triton.jit
+def _digits(KEY_BITS: tl.constexpr):
+    if KEY_BITS == 64:
+        return tl.arange(0, 16).to(tl.uint64)
+    else:
+        return tl.arange(0, 16).to(tl.uint32)
+
+
+@triton.jit
+def _next_digit(acc, target):
+    """Largest digit d whose total ``acc[d]`` still reaches ``target`` (acc falls as d grows); 0 if none."""
+    return tl.maximum(tl.sum((acc >= target).to(tl.int32), axis=0) - 1, 0)
+
+
+@triton.jit
+def select_key_in_block(keys, weights, valid, target, WEIGHTED: tl.constexpr, KEY_BITS: tl.constexpr):
+    """Largest key K with count (or weight sum) of valid keys >= K reaching ``target``, in registers."""
+    digits = _digits(KEY_BITS)
+    answer = tl.max(digits, axis=0) * 0
+    for r in tl.static_range(KEY_BITS // 4):
+        shift: tl.constexpr = KEY_BITS - 4 * (r + 1)
+        cand = answer | (digits << shift)
+        ge = (keys[:, None] >= cand[None, :]) & valid[:, None]
+        if WEIGHTED:
+            acc = tl.sum(tl.where(ge, weights[:, None], 0.0), axis=0)
+        else:
+            acc = tl.sum(ge.to(tl.int32), axis=0)
+        answer = answer | (_next_digit(acc, target).to(answer.dtype) << shift)
+    return answer
+
+
+@triton.jit
+def row_select_key(x_ptr, x_stride, n, target, m, inv_t, WEIGHTED: tl.constexpr, IS_F64: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """``select_key_in_block`` over a whole row of ``n`` values, one pass per round."""
+    KEY_BITS: tl.constexpr = 64 if IS_F64 else 32
+    digits = _digits(KEY_BITS)
+    answer = tl.max(digits, axis=0) * 0
+    for r in tl.static_range(KEY_BITS // 4):
+        shift: tl.constexpr = KEY_BITS - 4 * (r + 1)
+        cand = answer | (digits << shift)
+        if WEIGHTED:
+            acc = tl.zeros([16], m.dtype)
+        else:
+            acc = tl.zeros([16], tl.int32)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = to_compute(tl.load(x_ptr + offs.to(tl.int64) * x_stride, mask=mask, other=float("-inf")), IS_F64)
+            ge = (order_key(x, IS_F64)[:, None] >= cand[None, :]) & mask[:, None]
+            if WEIGHTED:
+                acc += tl.sum(tl.where(ge, rel_weight(x, m, inv_t)[:, None], 0.0), axis=0)
+            else:
+                acc += tl.sum(ge.to(tl.int32), axis=0)
+        answer = answer | (_next_digit(acc, target).to(answer.dtype) << shift)
+    return answer

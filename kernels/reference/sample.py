@@ -1,0 +1,117 @@
+"""Reference for ``sample``: sort-based filters and the same counter-based noise, written plainly.
+
+Every parameter arrives as a ``[B]`` tensor (the plan broadcasts Python scalars). The noise is
+the torch twin of ``kernels/_sampling_noise.py`` (uint32 arithmetic held in int64 tensors), so
+this module and the Triton kernels draw the same token but for floating-point near-ties.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+SEED_MIX = 0x243F6A88  # same constants as kernels/_sampling_noise.py (tests compare the bits)
+STEP_MIX = 0x85A308D3
+
+
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """``(a * c) mod 2**32`` for a in [0, 2**32), exact in int64: multiply by 16-bit halves of a."""
+    return (((a & 0xFFFF) * c) + ((((a >> 16) * c) & 0xFFFF) << 16)) & MASK32
+
+
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def row_keys(seed: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row uint32 keys (in int64) from int64 seeds and steps, as their 64-bit patterns."""
+    seed, step = seed.to(torch.int64), step.to(torch.int64)
+    k0 = fmix32(fmix32((seed & MASK32) ^ SEED_MIX) ^ ((seed >> 32) & MASK32))
+    k1 = fmix32(fmix32((step & MASK32) ^ k0 ^ STEP_MIX) ^ ((step >> 32) & MASK32))
+    return k0, k1
+
+
+def noise(seed: torch.Tensor, step: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bits, E)`` for tokens 0..n-1 of each row: hash bits ``[B, n]`` and Exp(1) draws (float32)."""
+    k0, k1 = row_keys(seed, step)
+    idx = torch.arange(n, dtype=torch.int64, device=seed.device)
+    bits = fmix32(fmix32(idx[None, :] ^ k1[:, None]) ^ k0[:, None])
+    b = bits >> 9
+    u = (b.to(torch.float32) + 0.5) * 2.0**-23
+    v = ((8388607 - b).to(torch.float32) + 0.5) * 2.0**-23
+    series = v * (1.0 + v * (0.5 + v * (0.3333333432674408 + v * 0.25)))
+    return bits, torch.where(v < 0.015625, series, -torch.log(u))
+
+
+def _invalid_rows(x, temperature, top_k, top_p, min_p, random_val):
+    """A row returns -1 when its logits hold a NaN or no finite value, or a parameter breaks its rule."""
+    bad = torch.isnan(x).any(1) | ~torch.isfinite(x).any(1)
+    bad |= ~((temperature >= 0) & torch.isfinite(temperature)) | (top_k < 0)
+    bad |= ~((top_p > 0) & (top_p <= 1)) | ~((min_p >= 0) & (min_p <= 1))
+    if random_val is not None:
+        bad |= ~((random_val >= 0) & (random_val < 1)) | (min_p != 0)
+    return bad
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           min_p: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, *, filter_order: str = "top_k_first",
+           random_val: torch.Tensor | None = None, out_dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Token ids ``[B]`` for ``logits [B, V]``; see DESIGN.md for the semantics of each parameter."""
+    n_rows, n_cols = logits.shape
+    ct = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(ct)
+    temperature, top_p, min_p = temperature.to(torch.float32), top_p.to(torch.float32), min_p.to(torch.float32)
+    top_k = top_k.to(torch.int64)
+    if random_val is not None:
+        random_val = random_val.to(torch.float32)
+    bad = _invalid_rows(x, temperature, top_k, top_p, min_p, random_val)
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    greedy = (temperature == 0) | (top_k == 1)
+    greedy_token = x.argmax(1)  # the first maximal index
+
+    # Relative probabilities w = p / max(p) = exp((x - max) / T); the max itself gets exactly 1,
+    # which also makes a row with +inf logits uniform over its +inf entries.
+    m = x.max(1, keepdim=True).values
+    inv_t = (1.0 / torch.where(greedy | bad, 1.0, temperature)).to(ct)[:, None]
+    w = torch.exp(torch.where(x == m, 0.0, (x - m) * inv_t))
+    sorted_x, order = torch.sort(x, dim=1, descending=True, stable=True)  # ties: lower index first
+    k = torch.where((top_k <= 0) | (top_k >= n_cols), n_cols, top_k).clamp(min=1)[:, None]
+    if random_val is None:
+        token = _draw(x, w, sorted_x, order, k, top_p.to(ct)[:, None], min_p.to(ct)[:, None],
+                      noise(seed, step, n_cols)[1].to(ct), filter_order)
+    else:
+        token = _infinicore(w, order, k, top_p.to(ct), random_val.to(ct))
+    token = torch.where(greedy, greedy_token, token)
+    return torch.where(bad, -1, token).to(out_dtype)
+
+
+def _draw(x, w, sorted_x, order, k, top_p, min_p, exps, filter_order):
+    # top-k: keep every token >= the k-th largest value (ties with it included).
+    in_k = x >= sorted_x.gather(1, k - 1)
+    # top-p: in descending order, keep positions whose mass before them is under top_p of the
+    # reference mass (the top-k set for top_k_first, everything for joint); keep ties of the last.
+    w_ref = torch.where(in_k, w, 0.0) if filter_order == "top_k_first" else w
+    z_ref = w_ref.sum(1, keepdim=True)
+    sorted_w = w_ref.gather(1, order)
+    mass_before = torch.cumsum(sorted_w, 1) - sorted_w
+    n_kept = (mass_before < top_p * z_ref).sum(1, keepdim=True).clamp(min=1)
+    in_p = (top_p >= 1) | (x >= sorted_x.gather(1, n_kept - 1))
+    # min-p: keep p >= min_p * max(p), i.e. w >= min_p.
+    kept = in_k & in_p & (w >= min_p)
+    # Exponential race: argmax p_i / E_i over the kept tokens is distributed as p restricted to them.
+    return torch.where(kept, w / exps, -1.0).argmax(1)
+
+
+def _infinicore(w, order, k, top_p, random_val):
+    # InfiniCore random_sample: c = cumsum of softmax in descending order, threshold
+    # random_val * min(top_p, c[k-1]), the first position whose c reaches it.
+    p = w / w.sum(1, keepdim=True)
+    c = torch.cumsum(p.gather(1, order), 1)
+    threshold = random_val * torch.minimum(top_p, c.gather(1, k - 1)[:, 0])
+    position = torch.minimum((c < threshold[:, None]).sum(1, keepdim=True), k - 1)
+    return order.gather(1, position)[:, 0]
