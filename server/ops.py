@@ -70,8 +70,12 @@ def _check_values(name: str, t: torch.Tensor, ok: torch.Tensor, rule: str) -> No
         raise ValueError(f"{name}[{i}]: {rule}, got {t[i].item()}")
 
 
-def _float_param(msg, name: str, rows: int, default: float, ok, rule: str, path: str) -> Param:
-    """A float sampling parameter: the scalar field, or its per-row tensor ``<name>_rows``."""
+def _float_param(msg, name: str, rows: int, default: float | None, ok, rule: str, path: str) -> Param | None:
+    """A float sampling parameter: the scalar field, or its per-row tensor ``<name>_rows``.
+
+    ``ok`` maps a float or a float64 tensor to whether (each) value keeps ``rule``; written with
+    comparisons only, so NaN fails it.
+    """
     if msg.HasField(f"{name}_rows"):
         t = rows_param(getattr(msg, f"{name}_rows"), f"{path}{name}_rows", rows, dtypes=(torch.float32, torch.float64))
         _check_values(f"{path}{name}_rows", t, ok(t.double()), rule)
@@ -79,7 +83,7 @@ def _float_param(msg, name: str, rows: int, default: float, ok, rule: str, path:
     if not msg.HasField(name):
         return default
     value = getattr(msg, name)
-    if not bool(ok(torch.tensor(value, dtype=torch.float64))):
+    if not ok(value):
         raise ValueError(f"{path}{name}: {rule}, got {value}")
     return value
 
@@ -142,7 +146,7 @@ class SampleCall:
         finite = "must be finite and "
         call = cls(
             logits=logits,
-            temperature=_float_param(msg, "temperature", rows, 1.0, lambda t: torch.isfinite(t) & (t >= 0),
+            temperature=_float_param(msg, "temperature", rows, 1.0, lambda t: (t >= 0) & (t < math.inf),
                                      finite + ">= 0", path),
             top_k=_int_param(msg, "top_k", rows, 0, 0, path),
             top_p=_float_param(msg, "top_p", rows, 1.0, lambda t: (t > 0) & (t <= 1), "must be in (0, 1]", path),
