@@ -78,9 +78,47 @@ def _metadata(details_or_context) -> dict[str, str]:
     return {k: v for k, v in (md or ()) if isinstance(v, str)}
 
 
-def _rebuild(handler: grpc.RpcMethodHandler, unary=None, stream=None) -> grpc.RpcMethodHandler:
-    """A handler like ``handler`` whose behaviour is wrapped by ``unary`` / ``stream`` factories."""
-    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+class _Undecodable:
+    """Request bytes that do not parse as the method's message: answered INVALID_ARGUMENT (gRPC
+    itself would answer UNKNOWN for a unary call and the stream would end INTERNAL)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserializer):
+    """``deserializer``, returning :class:`_Undecodable` instead of raising on malformed bytes."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or anything a corrupt message raises
+            return _Undecodable(exc)
+    return deserialize
+
+
+def _decoded(request):
+    """``request`` (a message, or a stream of them) with undecodable messages raising ValueError."""
+    if isinstance(request, _Undecodable):
+        raise ValueError(f"request: not a valid protobuf message for this method ({request.error})")
+    if hasattr(request, "__aiter__"):
+        return _decoded_stream(request)
+    return request
+
+
+async def _decoded_stream(requests):
+    async for request in requests:
+        yield _decoded(request)
+
+
+def _rebuild(handler: grpc.RpcMethodHandler, unary=None, stream=None,
+             request_deserializer=None) -> grpc.RpcMethodHandler:
+    """A handler like ``handler`` whose behaviour is wrapped by ``unary`` / ``stream`` factories
+    (and whose requests are parsed by ``request_deserializer`` when given)."""
+    kw = dict(request_deserializer=request_deserializer or handler.request_deserializer,
+              response_serializer=handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
     if handler.unary_stream:
@@ -126,7 +164,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                 record, t0 = CallRecord(rpc, request_id), time.perf_counter()
                 try:
                     admit(record, context)
-                    return await behaviour(request, context)
+                    return await behaviour(_decoded(request), context)
                 except asyncio.CancelledError:
                     record.code = grpc.StatusCode.CANCELLED
                     raise
@@ -144,7 +182,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                 record, t0 = CallRecord(rpc, request_id), time.perf_counter()
                 try:
                     admit(record, context)
-                    async for response in behaviour(request, context):
+                    async for response in behaviour(_decoded(request), context):
                         yield response
                 except asyncio.CancelledError:
                     record.code = grpc.StatusCode.CANCELLED
@@ -158,7 +196,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                     self._finish(record, t0)
             return wrapped
 
-        return _rebuild(handler, unary, stream)
+        return _rebuild(handler, unary, stream, _tolerant(handler.request_deserializer))
 
     def _finish(self, record: CallRecord, t0: float) -> None:
         seconds = time.perf_counter() - t0
