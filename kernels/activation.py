@@ -194,8 +194,8 @@ class _ActivationPlan:
         self.numel = TensorSpec(shape, out_strides, first.dtype, first.device).numel()
         self.backend = resolve_backend(backend, first.device)
         self.workspace_size = 0
-        if self.backend == "torch":
-            self.kernel = None
+        if self.backend == "torch" or self.numel == 0:
+            self.kernel = None  # the torch reference, or nothing to launch
             return
         meta = dict(HAS_UP=bool(rest), F64=first.dtype == torch.float64)
         if len(sizes) <= 1 and all(s == [1] or s == [] for s in strides):
