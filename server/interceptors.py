@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import logging
 import time
 import uuid
@@ -178,6 +179,11 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
             return wrapped
 
         def stream(behaviour):
+            if not inspect.isasyncgenfunction(behaviour):
+                # A streaming handler written as a coroutine that calls context.write() (the
+                # health service's Watch): wrapped like a unary one.
+                return unary(behaviour)
+
             async def wrapped(request, context):
                 record, t0 = CallRecord(rpc, request_id), time.perf_counter()
                 try:
