@@ -66,7 +66,8 @@ class DeviceHandle:
     def _run(self, fn: Callable, *args):
         if self.stream is None:
             return fn(*args)
-        with torch.cuda.stream(self.stream):
+        # Triton launches on the thread's current device, not the tensors': make it this one.
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             result = fn(*args)
         self.stream.synchronize()
         return result
