@@ -38,6 +38,7 @@ _WHOLE = tl.constexpr(0)
 _COOPERATIVE = tl.constexpr(1)
 _STATS = tl.constexpr(2)
 _APPLY = tl.constexpr(3)
+_PERSISTENT = tl.constexpr(4)
 
 # Reduce-axis elements one program holds (one chunk) unless a plan asks for less.
 DEFAULT_MAX_BLOCK = 16384
@@ -50,6 +51,11 @@ COLUMN_TILE = 8192
 COMBINE_TILE = 4096
 # Take tiles from a ticket counter in cooperative mode (see the module docstring).
 USE_TICKET = True
+# Split rows run as a persistent grid of resident programs (else one program per tile).
+PERSISTENT = True
+# Per SM, for the persistent grid: warps, and registers a thread (1024 threads x 64 = 64K).
+RESIDENT_WARPS = 32
+RESIDENT_REGISTERS = 64
 
 
 def tile_settings(n_pos: int, n_red: int, red_contiguous: bool, max_block: int) -> tuple[int, int, int]:
@@ -70,6 +76,14 @@ def tile_settings(n_pos: int, n_red: int, red_contiguous: bool, max_block: int) 
         block_r = min(triton.next_power_of_2(n_red), max(1, COLUMN_TILE // block_p), max_block)
     _, warps = row_block_settings(block_p * block_r)
     return block_p, block_r, warps
+
+
+def persistent_warps(tile_elements: int) -> int:
+    """Warps of a persistent program: 16 elements a thread, so that a tile, the prefetched next
+    tile and their addresses fit the 64 registers a thread that residency allows (ptxas -v on
+    sm_90: 64 registers, at most 16 bytes spilled, float32; 32 elements a thread spill 276 bytes).
+    """
+    return max(1, min(32, tile_elements // (16 * 32)))
 
 
 @triton.jit
@@ -120,41 +134,30 @@ def _leave_group(count_ptr, SPLIT: tl.constexpr):
         tl.atomic_xchg(count_ptr, 0, sem="relaxed")
 
 
-@launchable
 @triton.jit
-def _softmax_kernel(
-    out_ptr, x_ptr, stats_ptr, sync_ptr,
-    x_stride_o0, x_stride_o1, x_stride_o2, x_stride_p, x_stride_r,
-    out_stride_o0, out_stride_o1, out_stride_o2, out_stride_p, out_stride_r,
-    n_o1, n_o2, n_pos, n_red, n_pos_tiles, n_groups, chunk_len,
-    MODE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, TICKET: tl.constexpr,
-    LOAD_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
-):
+def _tile_coords(tile, n_pos_tiles, n_o1, n_o2, chunk_len,
+                 SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr):
     # Tile -> (group, chunk); group -> (outer index, position tile); outer -> (o0, o1, o2).
-    if MODE == _COOPERATIVE and TICKET:
-        ticket = tl.atomic_add(sync_ptr + n_groups, 1)
-        if ticket == n_groups * SPLIT - 1:
-            tl.atomic_xchg(sync_ptr + n_groups, 0)
-        tile = ticket.to(tl.int64)
-    else:
-        tile = tl.program_id(0).to(tl.int64)
+    tile = tile.to(tl.int64)
     group = tile // SPLIT
     chunk = tile % SPLIT
     outer = group // n_pos_tiles
-    pos_tile = group % n_pos_tiles
     o2 = outer % n_o2
     o1 = (outer // n_o2) % n_o1
     o0 = outer // n_o2 // n_o1
-    x_base = x_ptr + o0 * x_stride_o0 + o1 * x_stride_o1 + o2 * x_stride_o2
-    out_base = out_ptr + o0 * out_stride_o0 + o1 * out_stride_o1 + o2 * out_stride_o2
-
-    offs_p = pos_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_p = (group % n_pos_tiles) * BLOCK_P + tl.arange(0, BLOCK_P)
     r_local = tl.arange(0, BLOCK_R)
     offs_r = chunk * chunk_len + r_local
+    return group, chunk, o0, o1, o2, offs_p, r_local, offs_r
+
+
+@triton.jit
+def _tile_masks(offs_p, r_local, offs_r, n_pos, n_red, chunk_len, CAUSAL: tl.constexpr, LOAD_ALIGN: tl.constexpr):
+    # (in bounds, visible, loaded). Causal row p sees columns j <= n_red - n_pos + p (bottom-right
+    # aligned); its loads stop at the LOAD_ALIGN-element vector holding the diagonal, so masked
+    # cells past it are never read.
     mask = (offs_p < n_pos)[:, None] & ((r_local < chunk_len) & (offs_r < n_red))[None, :]
     if CAUSAL:
-        # Row p sees columns j <= n_red - n_pos + p (bottom-right aligned). Loads stop at the
-        # LOAD_ALIGN-element vector holding the diagonal: masked cells beyond it are never read.
         n_visible = n_red - n_pos + 1 + offs_p
         n_loaded = (n_visible + LOAD_ALIGN - 1) // LOAD_ALIGN * LOAD_ALIGN
         visible = mask & (offs_r[None, :] < n_visible[:, None])
@@ -162,43 +165,121 @@ def _softmax_kernel(
     else:
         visible = mask
         load_mask = mask
-    x_ptrs = x_base + offs_p[:, None] * x_stride_p + offs_r[None, :] * x_stride_r
-    x = tl.load(x_ptrs, mask=load_mask, other=float("-inf")).to(stats_ptr.dtype.element_ty)
-    if CAUSAL:
-        x = tl.where(visible, x, float("-inf"))
+    return mask, visible, load_mask
 
-    if MODE == _WHOLE:
-        # softmax(x) = exp(x - max) / sum(exp(x - max)); a row of -inf gives NaN, as torch.
-        m = tl.max(x, axis=1)
-        e = tl.exp(x - m[:, None])
-        y = e * (1.0 / tl.sum(e, axis=1))[:, None]
-    elif MODE == _APPLY:
-        m, s = _combine_partials(stats_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT, False)
-        y = tl.exp(x - m[:, None]) * (1.0 / s)[:, None]
+
+@triton.jit
+def _chunk_stats(x, stats_ptr, group, chunk, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
+    # This chunk's max m_c and sum s_c of exp(x - m_c), published for the group; a chunk with no
+    # finite entry publishes (-inf, 0). Returns e = exp(x - m_c) for reuse.
+    m_c = tl.max(x, axis=1)
+    e = tl.exp(x - tl.where(m_c == float("-inf"), 0.0, m_c)[:, None])
+    s_c = tl.sum(e, axis=1)
+    stats = stats_ptr + group * (2 * SPLIT * BLOCK_P) + chunk * BLOCK_P + tl.arange(0, BLOCK_P)
+    tl.store(stats, m_c)
+    tl.store(stats + SPLIT * BLOCK_P, s_c)
+    return m_c, e
+
+
+@triton.jit
+def _rescale_after_group(e, m_c, stats_ptr, sync_ptr, group, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK_SPLIT: tl.constexpr):
+    # Wait for the group's other chunks, then exp(x - m) / s = exp(x - m_c) * exp(m_c - m) / s.
+    _wait_for_group(sync_ptr + group, SPLIT)
+    m, s = _combine_partials(stats_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT, True)
+    _leave_group(sync_ptr + group, SPLIT)
+    return e * (tl.exp(m_c - m) * (1.0 / s))[:, None]
+
+
+@launchable
+@triton.jit
+def _softmax_kernel(
+    out_ptr, x_ptr, stats_ptr, sync_ptr,
+    x_stride_o0, x_stride_o1, x_stride_o2, x_stride_p, x_stride_r,
+    out_stride_o0, out_stride_o1, out_stride_o2, out_stride_p, out_stride_r,
+    n_o1, n_o2, n_pos, n_red, n_pos_tiles, n_tiles, chunk_len,
+    MODE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, TICKET: tl.constexpr,
+    LOAD_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+):
+    if MODE == _PERSISTENT:
+        # Every program is resident (the plan sizes the grid): program i takes tiles i, i + grid,
+        # ...; a group's chunks run in the same round. The next tile's loads are issued before
+        # waiting for the group, so memory stays busy through the wait.
+        pid = tl.program_id(0)
+        step = tl.num_programs(0)
+        group, chunk, o0, o1, o2, offs_p, r_local, offs_r = _tile_coords(
+            pid, n_pos_tiles, n_o1, n_o2, chunk_len, SPLIT, BLOCK_P, BLOCK_R)
+        mask, visible, load_mask = _tile_masks(offs_p, r_local, offs_r, n_pos, n_red, chunk_len, CAUSAL, LOAD_ALIGN)
+        x_ptrs = (x_ptr + o0 * x_stride_o0 + o1 * x_stride_o1 + o2 * x_stride_o2
+                  + offs_p[:, None] * x_stride_p + offs_r[None, :] * x_stride_r)
+        x_next = tl.load(x_ptrs, mask=load_mask, other=float("-inf"))
+        for tile in range(pid, n_tiles, step):
+            group, chunk, o0, o1, o2, offs_p, r_local, offs_r = _tile_coords(
+                tile, n_pos_tiles, n_o1, n_o2, chunk_len, SPLIT, BLOCK_P, BLOCK_R)
+            mask, visible, load_mask = _tile_masks(offs_p, r_local, offs_r, n_pos, n_red, chunk_len, CAUSAL, LOAD_ALIGN)
+            x = tl.where(visible, x_next.to(stats_ptr.dtype.element_ty), float("-inf"))
+            m_c, e = _chunk_stats(x, stats_ptr, group, chunk, SPLIT, BLOCK_P)
+            _, _, n0, n1, n2, n_offs_p, n_r_local, n_offs_r = _tile_coords(
+                tile + step, n_pos_tiles, n_o1, n_o2, chunk_len, SPLIT, BLOCK_P, BLOCK_R)
+            _, _, n_load_mask = _tile_masks(n_offs_p, n_r_local, n_offs_r, n_pos, n_red, chunk_len, CAUSAL, LOAD_ALIGN)
+            x_ptrs = (x_ptr + n0 * x_stride_o0 + n1 * x_stride_o1 + n2 * x_stride_o2
+                      + n_offs_p[:, None] * x_stride_p + n_offs_r[None, :] * x_stride_r)
+            x_next = tl.load(x_ptrs, mask=n_load_mask & (tile + step < n_tiles), other=float("-inf"))
+            y = _rescale_after_group(e, m_c, stats_ptr, sync_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT)
+            if CAUSAL:
+                y = tl.where(visible, y, 0.0)
+            out_ptrs = (out_ptr + o0 * out_stride_o0 + o1 * out_stride_o1 + o2 * out_stride_o2
+                        + offs_p[:, None] * out_stride_p + offs_r[None, :] * out_stride_r)
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        # This chunk's partial max and sum; a chunk with no finite entry publishes (-inf, 0).
-        m_c = tl.max(x, axis=1)
-        e = tl.exp(x - tl.where(m_c == float("-inf"), 0.0, m_c)[:, None])
-        s_c = tl.sum(e, axis=1)
-        stats = stats_ptr + group * (2 * SPLIT * BLOCK_P) + chunk * BLOCK_P + tl.arange(0, BLOCK_P)
-        tl.store(stats, m_c)
-        tl.store(stats + SPLIT * BLOCK_P, s_c)
-        if MODE == _COOPERATIVE:
-            _wait_for_group(sync_ptr + group, SPLIT)
-            m, s = _combine_partials(stats_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT, True)
-            _leave_group(sync_ptr + group, SPLIT)
-            # exp(x - m) / s = exp(x - m_c) * exp(m_c - m) / s, reusing e.
-            y = e * (tl.exp(m_c - m) * (1.0 / s))[:, None]
-
-    if MODE != _STATS:
+        if MODE == _COOPERATIVE and TICKET:
+            # Tiles in start order (CUB's decoupled look-back): a group waits only for programs
+            # already running; the last ticket sets the counter back to 0.
+            tile = tl.atomic_add(sync_ptr + n_tiles // SPLIT, 1)
+            if tile == n_tiles - 1:
+                tl.atomic_xchg(sync_ptr + n_tiles // SPLIT, 0)
+        else:
+            tile = tl.program_id(0)
+        group, chunk, o0, o1, o2, offs_p, r_local, offs_r = _tile_coords(
+            tile, n_pos_tiles, n_o1, n_o2, chunk_len, SPLIT, BLOCK_P, BLOCK_R)
+        mask, visible, load_mask = _tile_masks(offs_p, r_local, offs_r, n_pos, n_red, chunk_len, CAUSAL, LOAD_ALIGN)
+        x_ptrs = (x_ptr + o0 * x_stride_o0 + o1 * x_stride_o1 + o2 * x_stride_o2
+                  + offs_p[:, None] * x_stride_p + offs_r[None, :] * x_stride_r)
+        x = tl.load(x_ptrs, mask=load_mask, other=float("-inf")).to(stats_ptr.dtype.element_ty)
         if CAUSAL:
-            y = tl.where(visible, y, 0.0)
-        out_ptrs = out_base + offs_p[:, None] * out_stride_p + offs_r[None, :] * out_stride_r
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+            x = tl.where(visible, x, float("-inf"))
+        if MODE == _WHOLE:
+            # softmax(x) = exp(x - max) / sum(exp(x - max)); a row of -inf gives NaN, as torch.
+            m = tl.max(x, axis=1)
+            e = tl.exp(x - m[:, None])
+            y = e * (1.0 / tl.sum(e, axis=1))[:, None]
+        elif MODE == _APPLY:
+            m, s = _combine_partials(stats_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT, False)
+            y = tl.exp(x - m[:, None]) * (1.0 / s)[:, None]
+        else:
+            m_c, e = _chunk_stats(x, stats_ptr, group, chunk, SPLIT, BLOCK_P)
+            if MODE == _COOPERATIVE:
+                y = _rescale_after_group(e, m_c, stats_ptr, sync_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT)
+        if MODE != _STATS:
+            if CAUSAL:
+                y = tl.where(visible, y, 0.0)
+            out_ptrs = (out_ptr + o0 * out_stride_o0 + o1 * out_stride_o1 + o2 * out_stride_o2
+                        + offs_p[:, None] * out_stride_p + offs_r[None, :] * out_stride_r)
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _resident_programs(device: torch.device, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps that fit on the GPU at once, whatever their register count.
+
+    ``RESIDENT_WARPS`` warps per SM at ``RESIDENT_REGISTERS`` registers a thread (the launch caps
+    registers there with ``maxnreg``) use 1024 threads and all 64K registers of an SM (H100,
+    A100: 2048 threads, 64K registers), so ``RESIDENT_WARPS // num_warps`` programs always fit.
+    """
+    return _sm_count(device) * max(1, RESIDENT_WARPS // num_warps)
 
 
 class SoftmaxLaunch:
@@ -226,18 +307,27 @@ class SoftmaxLaunch:
         self.chunk_len = triton.cdiv(triton.cdiv(red[0], self.split), align) * align
         self.n_pos_tiles = triton.cdiv(pos[0], self.block_p)
         self.n_groups = n_outer * self.n_pos_tiles
-        self.grid = (self.n_groups * self.split,)
+        self.n_tiles = self.n_groups * self.split
+        self.grid = (self.n_tiles,)
+        self.options = {"num_warps": self.num_warps}
         if self.split == 1:
             self.modes = (_WHOLE,)
-        elif backend == "triton" and cooperative and self.split <= _sm_count(device):
+        elif (backend == "triton" and cooperative and PERSISTENT
+              and self.split <= _resident_programs(device, persistent_warps(self.block_p * self.block_r))):
+            self.modes = (_PERSISTENT,)
+            self.num_warps = self.options["num_warps"] = persistent_warps(self.block_p * self.block_r)
+            resident = _resident_programs(device, self.num_warps)
+            self.grid = (min(self.n_tiles, resident // self.split * self.split),)
+            self.options["maxnreg"] = RESIDENT_REGISTERS
+        elif backend == "triton" and cooperative and not PERSISTENT and self.split <= _sm_count(device):
             self.modes = (_COOPERATIVE,)
         else:
             self.modes = (_STATS, _APPLY)
         self.block_split = min(triton.next_power_of_2(self.split), max(1, COMBINE_TILE // self.block_p))
         stats_dtype = compute_dtype(dtype)
-        n_stats = 2 * self.n_groups * self.split * self.block_p if self.split > 1 else 1
+        n_stats = 2 * self.n_tiles * self.block_p if self.split > 1 else 1
         self.stats = torch.empty(n_stats, dtype=stats_dtype, device=device)
-        n_sync = self.n_groups + 1 if self.modes == (_COOPERATIVE,) else 1
+        n_sync = self.n_groups + 1 if self.modes[0] in (_COOPERATIVE, _PERSISTENT) else 1
         self.sync = torch.zeros(n_sync, dtype=torch.int32, device=device)
         self.workspace_size = self.stats.nbytes + self.sync.nbytes
         self.kernel = _softmax_kernel.for_backend(backend)
@@ -249,10 +339,10 @@ class SoftmaxLaunch:
                 out, x, self.stats, self.sync,
                 xs0, xs1, xs2, self.pos[1], self.red[1],
                 os0, os1, os2, self.pos[2], self.red[2],
-                n_o1, n_o2, self.pos[0], self.red[0], self.n_pos_tiles, self.n_groups, self.chunk_len,
+                n_o1, n_o2, self.pos[0], self.red[0], self.n_pos_tiles, self.n_tiles, self.chunk_len,
                 MODE=mode, CAUSAL=self.causal, SPLIT=self.split, TICKET=USE_TICKET,
                 LOAD_ALIGN=self.load_align, BLOCK_P=self.block_p, BLOCK_R=self.block_r,
-                BLOCK_SPLIT=self.block_split, num_warps=self.num_warps,
+                BLOCK_SPLIT=self.block_split, **self.options,
             )
 
 
