@@ -53,7 +53,8 @@ class Service:
 
         self.config = config
         self.version = __version__
-        self.limits = ops.Limits(max_rows=config.max_rows, max_vocab=config.max_vocab)
+        self.limits = ops.Limits(max_rows=config.max_rows, max_vocab=config.max_vocab,
+                                 max_output_bytes=config.max_message_bytes)
         self.handle = DeviceHandle(config.resolved_device, config.backend)
         self.metrics = Metrics()
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)

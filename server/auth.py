@@ -1,16 +1,23 @@
 """Bearer tokens from a file: one per line, re-read on SIGHUP, compared in constant time.
 
-Blank lines and lines starting with ``#`` are skipped. Tokens are never logged.
+Blank lines and lines starting with ``#`` are skipped. Tokens are never logged. Only their
+SHA-256 digests are kept and compared (``hmac.compare_digest`` on equal-length digests), so the
+time a check takes says nothing of a token's content or length.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import pathlib
 
 from .logs import get_logger, log_event
 
 log = get_logger("auth")
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
 
 
 class TokenStore:
@@ -23,7 +30,7 @@ class TokenStore:
 
     def _read(self) -> tuple[bytes, ...]:
         lines = self.path.read_text().splitlines()
-        tokens = tuple(s.encode() for s in (line.strip() for line in lines) if s and not s.startswith("#"))
+        tokens = tuple(_digest(s) for s in (line.strip() for line in lines) if s and not s.startswith("#"))
         if not tokens:
             raise ValueError(f"auth_token_file: {self.path} holds no token (one per line)")
         return tokens
@@ -44,7 +51,7 @@ class TokenStore:
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer":
             return False
-        given = token.strip().encode()
+        given = _digest(token.strip())
         ok = False
         for known in self._tokens:  # every token compared, so timing says nothing of which
             ok |= hmac.compare_digest(known, given)

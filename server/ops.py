@@ -39,10 +39,24 @@ Param = Union[int, float, torch.Tensor]
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request size limits (--max-rows, --max-vocab): beyond them, RESOURCE_EXHAUSTED."""
+    """Per-request size limits (--max-rows, --max-vocab): beyond them, RESOURCE_EXHAUSTED.
+
+    ``max_output_bytes`` (the server's --max-message-bytes) bounds what a request makes the
+    server allocate for its answer: a broadcasting SwiGLU of a ``[4096, 1]`` and a ``[1, 262144]``
+    tensor, a few MB on the wire, would otherwise compute gigabytes it could never send.
+    """
 
     max_rows: int
     max_vocab: int
+    max_output_bytes: int | None = None
+
+    def check_output(self, name: str, shape: tuple[int, ...], itemsize: int) -> None:
+        if self.max_output_bytes is None:
+            return
+        size = math.prod(shape) * itemsize
+        if size > self.max_output_bytes:
+            raise TooLarge(f"{name}: the answer would hold {size} bytes (shape {list(shape)}), over this "
+                           f"server's message limit of {self.max_output_bytes} (--max-message-bytes)")
 
     def check(self, name: str, rows: int, width: int) -> None:
         if rows > self.max_rows:
@@ -74,17 +88,22 @@ def _float_param(msg, name: str, rows: int, default: float | None, ok, rule: str
     """A float sampling parameter: the scalar field, or its per-row tensor ``<name>_rows``.
 
     ``ok`` maps a float or a float64 tensor to whether (each) value keeps ``rule``; written with
-    comparisons only, so NaN fails it.
+    comparisons only, so NaN fails it. Values must keep the rule in float32 too, the precision
+    the kernels read them in (a temperature of 1e300 is inf there, a top_p of 1e-300 is 0).
     """
+    in_f32 = f"{rule} in float32, the precision the kernels use"
     if msg.HasField(f"{name}_rows"):
         t = rows_param(getattr(msg, f"{name}_rows"), f"{path}{name}_rows", rows, dtypes=(torch.float32, torch.float64))
         _check_values(f"{path}{name}_rows", t, ok(t.double()), rule)
+        _check_values(f"{path}{name}_rows", t, ok(t.float().double()), in_f32)
         return t.double()
     if not msg.HasField(name):
         return default
     value = getattr(msg, name)
     if not ok(value):
         raise ValueError(f"{path}{name}: {rule}, got {value}")
+    if not ok(torch.tensor(value, dtype=torch.float64).float().item()):
+        raise ValueError(f"{path}{name}: {in_f32}, got {value}")
     return value
 
 
@@ -233,6 +252,7 @@ class RouteExpertsCall:
         if not 1 <= msg.k <= experts:
             raise ValueError(f"{path}k: must be in [1, E] with E = {experts} experts (gate_logits.shape[1]), "
                              f"got {msg.k}")
+        limits.check_output(f"{path}gate_logits", (g.shape[0], msg.k), 8)  # float32 weights + int32 indices
         return cls(g, msg.k, msg.renormalize)
 
     @property
@@ -382,6 +402,7 @@ class SiluCall:
                 raise ValueError(f"{path}up.shape: {list(up.shape)} does not broadcast with x.shape "
                                  f"{list(x.shape)}") from None
         limits.check(f"{path}x", *_rows_and_width(shape, -1))
+        limits.check_output(f"{path}x", shape, x.element_size())
         return cls(x, up)
 
     @property
