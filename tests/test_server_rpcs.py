@@ -110,13 +110,18 @@ def test_sample_random_val_matches_kernel(server, client):
     np.testing.assert_array_equal(result.token_ids, expect.numpy())
 
 
-def test_sample_real_vocab_width(server, client):
-    if _backend(server) == "interpret":
-        pytest.skip("full vocabularies are covered on the torch backend; the interpreter is slow at this width")
-    logits = _logits(2, 151936, seed=5)
-    result = client.sample(logits, temperature=0.7, top_p=0.95, seed=[1, 2])
-    expect = kernels.sample(logits, temperature=0.7, top_p=0.95, seed=torch.tensor([1, 2]), backend="torch")
-    np.testing.assert_array_equal(result.token_ids, expect.numpy())
+# Real vocabularies (Llama 2, Llama 3, Qwen 2): messages of up to 1.2 MB, and the kernels'
+# multi-block paths. The interpreter takes seconds per call at these widths: one width there.
+REAL_WIDTHS = {"torch": (32000, 128256, 151936), "interpret": (32000,)}
+
+
+def test_sample_real_vocab_widths(server, client):
+    backend = _backend(server)
+    for vocab in REAL_WIDTHS[backend]:
+        logits = _logits(2, vocab, seed=5)
+        result = client.sample(logits, temperature=0.7, top_p=0.95, seed=[1, 2])
+        expect = kernels.sample(logits, temperature=0.7, top_p=0.95, seed=torch.tensor([1, 2]), backend=backend)
+        np.testing.assert_array_equal(result.token_ids, expect.numpy(), err_msg=f"V={vocab}")
 
 
 # ------------------------------------------------------------------------------ other operators
