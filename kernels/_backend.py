@@ -11,7 +11,9 @@ import contextlib
 import types
 
 import torch
-from triton.runtime.interpreter import InterpretedFunction
+import triton.language as tl
+from triton.runtime.errors import InterpreterError
+from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 from triton.runtime.jit import JITFunction
 
 BACKENDS = ("auto", "triton", "interpret", "torch")
@@ -30,7 +32,35 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _interpreted(jit_fn, memo: dict) -> InterpretedFunction:
+# Language modules (by id) already patched for the interpreted launch in progress.
+_patched_in_launch: set = set()
+
+
+class _DeviceFunction(InterpretedFunction):
+    """An interpreted ``@triton.jit`` helper called from inside an interpreted launch.
+
+    ``InterpretedFunction.__call__`` patches the ``triton.language`` modules in the helper's
+    globals on every device-function call (about a millisecond each: inspect.getmembers over
+    the modules). The patches stay in place for the rest of the launch, so this twin patches a
+    given set of modules once per launch: kernels made of small helpers and reductions
+    interpret several times faster.
+    """
+
+    def __init__(self, fn, **kwargs):
+        super().__init__(fn, **kwargs)
+        self._langs = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+    def __call__(self, *args, **kwargs):
+        if not self._langs <= _patched_in_launch:
+            _patch_lang(self.fn)
+            _patched_in_launch.update(self._langs)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise InterpreterError(repr(e)) from e
+
+
+def _interpreted(jit_fn, memo: dict, nested: bool = False) -> InterpretedFunction:
     # The interpreter executes the kernel's source in its function's globals, where nested
     # @triton.jit helpers are compiled JITFunctions that refuse to run on the CPU. Give the
     # twin a copy of those globals with every JITFunction swapped for its own twin.
@@ -43,11 +73,11 @@ def _interpreted(jit_fn, memo: dict) -> InterpretedFunction:
     fn = jit_fn.fn
     twin_globals = dict(fn.__globals__)
     clone = types.FunctionType(fn.__code__, twin_globals, fn.__name__, fn.__defaults__, fn.__closure__)
-    twin = InterpretedFunction(clone)
+    twin = (_DeviceFunction if nested else InterpretedFunction)(clone)
     memo[id(jit_fn)] = (jit_fn, twin)
     for name, value in twin_globals.items():
         if isinstance(value, JITFunction):
-            twin_globals[name] = _interpreted(value, memo)
+            twin_globals[name] = _interpreted(value, memo, nested=True)
     return twin
 
 
@@ -61,11 +91,12 @@ def _jit_calls_interpreted(memo: dict):
     # functions keep their identity and the interpreter's vectorised reductions apply.
     def call(jit_fn, *args, **kwargs):
         if id(jit_fn) not in memo:
-            memo[id(jit_fn)] = (jit_fn, InterpretedFunction(jit_fn.fn))
+            memo[id(jit_fn)] = (jit_fn, _DeviceFunction(jit_fn.fn))
         return memo[id(jit_fn)][1](*args, **kwargs)
 
     original = JITFunction.__call__
     JITFunction.__call__ = call
+    _patched_in_launch.clear()
     try:
         yield
     finally:
