@@ -37,7 +37,7 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parent.parent
 BASE_IMAGE = os.environ.get("LOGITSERVE_TEST_BASE_IMAGE", "localhost/bookworm-base")
 IMAGE = "localhost/logitserve-test:latest"
-CA_IN_BUILD = "/run/logitserve-build-ca.crt"  # outside /etc/ssl: apt in the build rewrites that
+BUILD_MOUNTS = "/run/logitserve-build"  # pip's folders and CA bundle during the build (not /etc/ssl: apt rewrites it)
 STARTUP_TIMEOUT_S = 180.0
 
 
@@ -71,10 +71,9 @@ def pip_settings() -> dict[str, str]:
 
 def _local_dir(location: str) -> str | None:
     """The local folder a find-links or index location needs mounted, or None if remote."""
-    path = urlparse(location).path if location.startswith("file:") else location
     if "://" in location and not location.startswith("file:"):
         return None
-    path = path.rstrip("/")
+    path = (urlparse(location).path if location.startswith("file:") else location).rstrip("/")
     if not path or not os.path.isdir(path):
         return None
     # A PEP 503 index (".../simple") links to files beside it ("../../files/..."): mount its parent.
@@ -82,21 +81,30 @@ def _local_dir(location: str) -> str | None:
 
 
 def build_args(settings: dict[str, str]) -> list[str]:
-    """``--build-arg`` and ``-v`` options handing pip's settings to the build, read-only."""
+    """``--build-arg`` and ``-v`` options handing pip's settings to the build.
+
+    Local folders and the CA bundle are mounted read-only under /run/logitserve-build/ (a
+    tmpfs during RUN: nothing of them, not even an empty mount point, stays in the image) and
+    the settings are rewritten to name them there.
+    """
     argv: list[str] = []
-    mounts: set[str] = set()
+    mounts: dict[str, str] = {}  # host folder -> folder in the build
     for name in ("find-links", "index-url", "extra-index-url"):
         if name not in settings:
             continue
-        argv += ["--build-arg", f"PIP_{name.upper().replace('-', '_')}={settings[name]}"]
+        locations = []
         for location in settings[name].split():
             folder = _local_dir(location)
-            if folder:
-                mounts.add(folder)
+            if folder is not None:
+                inside = mounts.setdefault(folder, f"{BUILD_MOUNTS}/{len(mounts)}")
+                path = urlparse(location).path if location.startswith("file:") else location
+                location = ("file://" if location.startswith("file:") else "") + inside + path[len(folder):]
+            locations.append(location)
+        argv += ["--build-arg", f"PIP_{name.upper().replace('-', '_')}={' '.join(locations)}"]
     if "cert" in settings and os.path.isfile(settings["cert"]):
-        argv += ["-v", f"{settings['cert']}:{CA_IN_BUILD}:ro", "--build-arg", f"PIP_CERT={CA_IN_BUILD}"]
-    for folder in sorted(mounts):
-        argv += ["-v", f"{folder}:{folder}:ro"]
+        argv += ["-v", f"{settings['cert']}:{BUILD_MOUNTS}/ca.crt:ro", "--build-arg", f"PIP_CERT={BUILD_MOUNTS}/ca.crt"]
+    for folder, inside in mounts.items():
+        argv += ["-v", f"{folder}:{inside}:ro"]
     return argv
 
 
