@@ -20,7 +20,10 @@
 #     --build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
 #     -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro -t logitserve .
 #
-# (tests/test_container.py does exactly this; scripts/container_base.sh makes that base.)
+# (tests/test_container.py does the same, mounting under /run/ so that no empty mount point is
+# left in the image; scripts/container_base.sh makes that base.) Build-argument values are
+# recorded in the image's history (`docker history`): never put credentials in them; pass
+# those as a secret mount instead.
 ARG BASE_IMAGE=pytorch/pytorch:2.10.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
