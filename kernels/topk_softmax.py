@@ -5,7 +5,8 @@ in registers: load, softmax (max-subtracted, Triton tutorial 02-fused-softmax), 
 Selection works on one int64 key per expert: the float32 bits of ``exp(x - max)`` (non-negative,
 so its bits order like its value) in the high half and ``BLOCK_E - 1 - expert`` in the low half,
 so keys are distinct and "largest key" means "largest probability, ties to the lower index".
-Small ``k`` takes ``k`` rounds of max-and-remove; larger ``k`` a bitonic top-k (``tl.topk``).
+Small ``k`` takes ``k`` rounds of max-and-remove, each chosen expert storing itself at the
+round's position; larger ``k`` a bitonic top-k network over the keys.
 """
 
 from __future__ import annotations
@@ -99,25 +100,34 @@ def _topk_softmax_kernel(
     key = (e.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols)[None, :]
     key = tl.where(col_mask[None, :], key, -1)
 
-    kcols = tl.arange(0, BLOCK_K)
     if USE_SORT:
+        # Output position p holds the p-th largest key.
         top = _bitonic_topk(key, ROWS, BLOCK_K, LOG_ROWS, LOG_E, LOG_K)
+        kcols = tl.arange(0, BLOCK_K)
+        chosen = (kcols < K)[None, :]
+        position = kcols[None, :]
+        e_out = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        indices = BLOCK_E - 1 - top.to(tl.int32)  # truncation keeps the low half
     else:
-        top = tl.full([ROWS, BLOCK_K], -1, tl.int64)
+        # k rounds of max-and-remove; each expert remembers the round that took it, then
+        # stores itself at that position: no per-round data movement out of the key tile.
+        position = tl.full([ROWS, BLOCK_E], -1, tl.int32)
         for j in range(K):
             best = tl.max(key, axis=1)
-            top = tl.where(kcols[None, :] == j, best[:, None], top)
-            key = tl.where(key == best[:, None], -1, key)
+            hit = key == best[:, None]
+            position = tl.where(hit, j, position)
+            key = tl.where(hit, -1, key)
+        chosen = position >= 0
+        e_out = e
+        indices = cols[None, :]
 
-    indices = BLOCK_E - 1 - top.to(tl.int32)  # truncation keeps the low half
-    e_top = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    k_mask = kcols < K
-    weights = e_top / total[:, None]
+    # weight = e / sum(e), or e / (sum of the k chosen e) with renormalize; NaN rows stay NaN.
+    denom = total
     if RENORMALIZE:
-        weights = weights / tl.sum(tl.where(k_mask[None, :], weights, 0.0), axis=1)[:, None]
-
-    out_offs = rows[:, None] * out_row_stride + kcols[None, :]
-    out_mask = row_mask[:, None] & k_mask[None, :]
+        denom = tl.where(row_ok, tl.sum(tl.where(chosen, e_out, 0.0), axis=1), total)
+    weights = e_out * (1.0 / denom)[:, None]
+    out_offs = rows[:, None] * out_row_stride + position
+    out_mask = row_mask[:, None] & chosen
     tl.store(weights_ptr + out_offs, weights, mask=out_mask)
     tl.store(indices_ptr + out_offs, indices, mask=out_mask)
 
