@@ -40,36 +40,62 @@ _STATS = tl.constexpr(2)
 _APPLY = tl.constexpr(3)
 _PERSISTENT = tl.constexpr(4)
 
-# Reduce-axis elements one program holds (one chunk) unless a plan asks for less.
-DEFAULT_MAX_BLOCK = 16384
+# Row mode: rows up to this wide are held whole by one program; wider rows are split.
+WHOLE_ROW_MAX = 32768
+# Split rows: elements per chunk (halved down to SPLIT_BLOCK_MIN while a launch has fewer
+# than SPLIT_TILES_PER_SM chunks an SM, as decode batches of one to a few rows do).
+SPLIT_BLOCK = 8192
+SPLIT_BLOCK_MIN = 2048
+SPLIT_TILES_PER_SM = 4
 # Row mode: elements per program when rows are narrow (several rows share a program).
-ROW_TILE = 4096
+ROW_TILE = 2048
 # Column mode: neighbouring columns per program, and elements per program.
-COLUMN_WIDTH = 64
+COLUMN_WIDTH = 32
 COLUMN_TILE = 8192
 # Partials combined per step when chunks gather their group's statistics.
 COMBINE_TILE = 4096
 # Take tiles from a ticket counter in cooperative mode (see the module docstring).
 USE_TICKET = True
 # Split rows run as a persistent grid of resident programs (else one program per tile).
-PERSISTENT = True
+PERSISTENT = False
 # Per SM, for the persistent grid: warps, and registers a thread (1024 threads x 64 = 64K).
 RESIDENT_WARPS = 32
 RESIDENT_REGISTERS = 64
 
 
-def tile_settings(n_pos: int, n_red: int, red_contiguous: bool, max_block: int) -> tuple[int, int, int]:
+def split_block(n_groups: int, n_red: int, n_sms: int, max_block: int) -> int:
+    """Chunk width for a split reduce axis: ``SPLIT_BLOCK``, halved for launches with few chunks.
+
+    H100, 256 x 128256: 8192-element chunks beat 4096 and 16384 in float32 and bfloat16
+    (docs/PERFORMANCE.md); a batch of 1 to 16 vocabulary rows fills the GPU only with smaller
+    chunks, so the width halves (down to ``SPLIT_BLOCK_MIN``) while there are fewer than
+    ``SPLIT_TILES_PER_SM`` chunks an SM.
+    """
+    block = min(SPLIT_BLOCK, max_block)
+    while block > SPLIT_BLOCK_MIN and n_groups * triton.cdiv(n_red, block) < SPLIT_TILES_PER_SM * n_sms:
+        block //= 2
+    return block
+
+
+def tile_settings(n_pos: int, n_red: int, red_contiguous: bool, max_block: int, *, itemsize: int = 4,
+                  n_outer: int = 1, n_sms: int = 0) -> tuple[int, int, int]:
     """``(BLOCK_P, BLOCK_R, num_warps)`` for a program holding ``BLOCK_P`` positions by ``BLOCK_R`` reduce elements.
 
-    Row mode (contiguous reduce axis) takes the row's next power of two up to ``max_block``, then
-    packs rows until the tile holds ``ROW_TILE`` elements, as the Triton fused-softmax tutorial
-    packs short rows. Column mode takes ``COLUMN_WIDTH`` neighbouring positions (256 contiguous
-    bytes in float32: whole 32-byte sectors per warp) and as much of the reduce axis as fits
-    ``COLUMN_TILE``. Warps follow ``row_block_settings`` on the tile's element count (Liger-Kernel
-    ``calculate_settings``: 8 to 64 elements a thread).
+    Row mode (contiguous reduce axis) takes the row's next power of two up to ``WHOLE_ROW_MAX``
+    (and ``max_block``), packing rows until the tile holds ``ROW_TILE`` elements, as the Triton
+    fused-softmax tutorial packs short rows; wider rows are split in chunks of ``split_block``.
+    Column mode takes ``COLUMN_WIDTH`` neighbouring positions (128 contiguous bytes in float32:
+    whole sectors per warp) and as much of the reduce axis as fits ``COLUMN_TILE``. Warps follow
+    ``row_block_settings`` on the tile's element count (Liger-Kernel ``calculate_settings``),
+    except split row chunks, which take one warp per 4 KB of input (H100: 8 warps for 8192
+    float32, 4 for 8192 bfloat16 measured best; more warps for the same tile run slower).
     """
     if red_contiguous:
-        block_r = min(triton.next_power_of_2(n_red), max_block)
+        block_r = min(triton.next_power_of_2(n_red), max_block, WHOLE_ROW_MAX)
+        if block_r < n_red:
+            block_r = split_block(n_outer * n_pos, n_red, n_sms, max_block)
+            warps = max(4, min(32, block_r * itemsize // 4096))
+            return 1, block_r, warps
         block_p = min(triton.next_power_of_2(n_pos), max(1, ROW_TILE // block_r))
     else:
         block_p = min(triton.next_power_of_2(n_pos), COLUMN_WIDTH)
@@ -112,13 +138,17 @@ def _combine_partials(stats_ptr, group, SPLIT: tl.constexpr, BLOCK_P: tl.constex
 
 
 @triton.jit
-def _wait_for_group(count_ptr, SPLIT: tl.constexpr):
-    # Arrive, then spin until every chunk of the group has arrived. The barrier orders this
-    # program's statistics stores before the release; the acquire and the barrier after it
-    # order the spin before the loads of the other chunks' statistics (as cooperative groups'
-    # grid sync does: __syncthreads, one thread's fenced atomic, __syncthreads).
+def _arrive(count_ptr):
+    # The barrier orders every thread's statistics stores before the release (as cooperative
+    # groups' grid sync: __syncthreads, then one thread's fenced atomic).
     tl.debug_barrier()
     tl.atomic_add(count_ptr, 1, sem="release")
+
+
+@triton.jit
+def _await_group(count_ptr, SPLIT: tl.constexpr):
+    # Spin until every chunk of the group has arrived; the acquire and the barrier after it
+    # order the spin before the loads of the other chunks' statistics.
     arrived = tl.atomic_add(count_ptr, 0, sem="acquire")
     while arrived < SPLIT:
         arrived = tl.atomic_add(count_ptr, 0, sem="acquire")
@@ -185,7 +215,7 @@ def _chunk_stats(x, stats_ptr, group, chunk, SPLIT: tl.constexpr, BLOCK_P: tl.co
 def _rescale_after_group(e, m_c, stats_ptr, sync_ptr, group, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
                          BLOCK_SPLIT: tl.constexpr):
     # Wait for the group's other chunks, then exp(x - m) / s = exp(x - m_c) * exp(m_c - m) / s.
-    _wait_for_group(sync_ptr + group, SPLIT)
+    _await_group(sync_ptr + group, SPLIT)
     m, s = _combine_partials(stats_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT, True)
     _leave_group(sync_ptr + group, SPLIT)
     return e * (tl.exp(m_c - m) * (1.0 / s))[:, None]
@@ -219,6 +249,8 @@ def _softmax_kernel(
             mask, visible, load_mask = _tile_masks(offs_p, r_local, offs_r, n_pos, n_red, chunk_len, CAUSAL, LOAD_ALIGN)
             x = tl.where(visible, x_next.to(stats_ptr.dtype.element_ty), float("-inf"))
             m_c, e = _chunk_stats(x, stats_ptr, group, chunk, SPLIT, BLOCK_P)
+            # Arrive first: a release waits until this thread's earlier loads are done.
+            _arrive(sync_ptr + group)
             _, _, n0, n1, n2, n_offs_p, n_r_local, n_offs_r = _tile_coords(
                 tile + step, n_pos_tiles, n_o1, n_o2, chunk_len, SPLIT, BLOCK_P, BLOCK_R)
             _, _, n_load_mask = _tile_masks(n_offs_p, n_r_local, n_offs_r, n_pos, n_red, chunk_len, CAUSAL, LOAD_ALIGN)
@@ -259,6 +291,7 @@ def _softmax_kernel(
         else:
             m_c, e = _chunk_stats(x, stats_ptr, group, chunk, SPLIT, BLOCK_P)
             if MODE == _COOPERATIVE:
+                _arrive(sync_ptr + group)
                 y = _rescale_after_group(e, m_c, stats_ptr, sync_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT)
         if MODE != _STATS:
             if CAUSAL:
@@ -300,8 +333,10 @@ class SoftmaxLaunch:
         for size, _, _ in self.outer:
             n_outer *= size
         red_contiguous = red[1] == 1 or pos[1] != 1
+        n_sms = _sm_count(device) if backend == "triton" else 0
         self.block_p, self.block_r, self.num_warps = tile_settings(
-            pos[0], red[0], red_contiguous, max_block or DEFAULT_MAX_BLOCK)
+            pos[0], red[0], red_contiguous, max_block or (1 << 30), itemsize=dtype.itemsize,
+            n_outer=n_outer, n_sms=n_sms)
         self.split = triton.cdiv(red[0], self.block_r)
         align = min(16, self.block_r)  # chunk starts on 16-element boundaries, for vector loads
         self.chunk_len = triton.cdiv(triton.cdiv(red[0], self.split), align) * align
@@ -332,18 +367,23 @@ class SoftmaxLaunch:
         self.workspace_size = self.stats.nbytes + self.sync.nbytes
         self.kernel = _softmax_kernel.for_backend(backend)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def args(self, x: torch.Tensor, out: torch.Tensor) -> tuple:
+        """The kernel's positional arguments for one launch over ``x`` and ``out``."""
         (_, xs0, os0), (n_o1, xs1, os1), (n_o2, xs2, os2) = self.outer
-        for mode in self.modes:
-            self.kernel[self.grid](
-                out, x, self.stats, self.sync,
+        return (out, x, self.stats, self.sync,
                 xs0, xs1, xs2, self.pos[1], self.red[1],
                 os0, os1, os2, self.pos[2], self.red[2],
-                n_o1, n_o2, self.pos[0], self.red[0], self.n_pos_tiles, self.n_tiles, self.chunk_len,
-                MODE=mode, CAUSAL=self.causal, SPLIT=self.split, TICKET=USE_TICKET,
-                LOAD_ALIGN=self.load_align, BLOCK_P=self.block_p, BLOCK_R=self.block_r,
-                BLOCK_SPLIT=self.block_split, **self.options,
-            )
+                n_o1, n_o2, self.pos[0], self.red[0], self.n_pos_tiles, self.n_tiles, self.chunk_len)
+
+    def constexprs(self, mode) -> dict:
+        return dict(MODE=mode, CAUSAL=self.causal, SPLIT=self.split, TICKET=USE_TICKET,
+                    LOAD_ALIGN=self.load_align, BLOCK_P=self.block_p, BLOCK_R=self.block_r,
+                    BLOCK_SPLIT=self.block_split, **self.options)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        args = self.args(x, out)
+        for mode in self.modes:
+            self.kernel[self.grid](*args, **self.constexprs(mode))
 
 
 def _collapse(dims: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -375,7 +415,7 @@ class SoftmaxPlan:
     backend : str
         ``"auto"``, ``"triton"``, ``"interpret"`` or ``"torch"``.
     max_block : int, optional
-        Cap on the reduce-axis elements one program holds (default ``DEFAULT_MAX_BLOCK``); wider
+        Cap on the reduce-axis elements one program holds (default: whole rows up to ``WHOLE_ROW_MAX``, then ``split_block`` chunks); wider
         axes are split across programs. For tests (small shapes on the split path) and tuning.
     cooperative : bool
         Whether split axes may use the single cooperative launch (True, the fast path) or must
