@@ -92,7 +92,7 @@ def _finish(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride,
     rowf = ct_ptr_of(ws_ptr, off_rowf, IS_F64)
     m = tl.load(rowf + 2 * row)
     z = tl.load(rowf + 2 * row + 1)
-    t, k, p, min_p, _ = row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, mp_arg, mp_stride,
+    t, k, p, min_p, k_neg = row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, mp_arg, mp_stride,
                                    T_TENSOR, K_TENSOR, P_TENSOR, MP_TENSOR)
     inv_t = 1.0 / t
     s_lo, s_hi = u64_halves(seed_arg, seed_hi, row, seed_stride, SEED_TENSOR)
@@ -202,8 +202,8 @@ def _random_val(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride,
     rowf = ct_ptr_of(ws_ptr, off_rowf, IS_F64)
     m = tl.load(rowf + 2 * row)
     z = tl.load(rowf + 2 * row + 1)
-    t, k, p, _, _ = row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, mp_arg, mp_stride,
-                               T_TENSOR, K_TENSOR, P_TENSOR, MP_TENSOR)
+    t, k, p, min_p, k_neg = row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, mp_arg,
+                                       mp_stride, T_TENSOR, K_TENSOR, P_TENSOR, MP_TENSOR)
     r = row_param(rv_arg, row, rv_stride, RV_TENSOR, tl.float32).to(m.dtype)
     inv_t = 1.0 / t
     x_row = x_ptr + row * x_row_stride
@@ -213,7 +213,7 @@ def _random_val(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride,
     mass_k = z
     if k_on:
         t_k = row_select_key(x_row, x_col_stride, n_cols, k, m, inv_t, False, IS_F64, SELECT_BLOCK)
-        above, n_above, _ = _above(x_row, x_col_stride, n_cols, t_k, m, inv_t, IS_F64, BLOCK)
+        above, n_above, n_equal = _above(x_row, x_col_stride, n_cols, t_k, m, inv_t, IS_F64, BLOCK)
         mass_k = above + (k - n_above).to(m.dtype) * rel_weight(key_value(t_k, IS_F64), m, inv_t)
     threshold = r * tl.minimum(p.to(m.dtype) * z, mass_k)
     target = row_select_key(x_row, x_col_stride, n_cols, threshold, m, inv_t, True, IS_F64, SELECT_BLOCK)

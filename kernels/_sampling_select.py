@@ -90,14 +90,13 @@ def select_key_in_block(keys, weights, valid, target, WEIGHTED: tl.constexpr, KE
     digits = _digits(KEY_BITS)
     answer = tl.max(digits, axis=0) * 0
     for r in tl.static_range(KEY_BITS // 4):
-        shift: tl.constexpr = KEY_BITS - 4 * (r + 1)
-        cand = answer | (digits << shift)
+        cand = answer | (digits << (KEY_BITS - 4 * (r + 1)))
         ge = (keys[:, None] >= cand[None, :]) & valid[:, None]
         if WEIGHTED:
             acc = tl.sum(tl.where(ge, weights[:, None], 0.0), axis=0)
         else:
             acc = tl.sum(ge.to(tl.int32), axis=0)
-        answer = answer | (_next_digit(acc, target).to(answer.dtype) << shift)
+        answer = answer | (_next_digit(acc, target).to(answer.dtype) << (KEY_BITS - 4 * (r + 1)))
     return answer
 
 
@@ -109,8 +108,7 @@ def row_select_key(x_ptr, x_stride, n, target, m, inv_t, WEIGHTED: tl.constexpr,
     digits = _digits(KEY_BITS)
     answer = tl.max(digits, axis=0) * 0
     for r in tl.static_range(KEY_BITS // 4):
-        shift: tl.constexpr = KEY_BITS - 4 * (r + 1)
-        cand = answer | (digits << shift)
+        cand = answer | (digits << (KEY_BITS - 4 * (r + 1)))
         if WEIGHTED:
             acc = tl.zeros([16], m.dtype)
         else:
@@ -124,5 +122,5 @@ def row_select_key(x_ptr, x_stride, n, target, m, inv_t, WEIGHTED: tl.constexpr,
                 acc += tl.sum(tl.where(ge, rel_weight(x, m, inv_t)[:, None], 0.0), axis=0)
             else:
                 acc += tl.sum(ge.to(tl.int32), axis=0)
-        answer = answer | (_next_digit(acc, target).to(answer.dtype) << shift)
+        answer = answer | (_next_digit(acc, target).to(answer.dtype) << (KEY_BITS - 4 * (r + 1)))
     return answer
