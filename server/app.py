@@ -24,7 +24,7 @@ from .auth import TokenStore
 from .batcher import Batcher
 from .config import ServerConfig
 from .device import DeviceHandle
-from .interceptors import ExceptionInterceptor, TokenAuthInterceptor
+from .interceptors import ExceptionInterceptor, RequestDecodeInterceptor, TokenAuthInterceptor
 from .logs import get_logger, log_event
 from .metrics import Metrics
 from .servicer import LogitServeServicer
@@ -69,6 +69,7 @@ class Service:
         interceptors = [ExceptionInterceptor(self.metrics, is_draining=lambda: self.draining)]
         if self.tokens is not None:
             interceptors.append(TokenAuthInterceptor(self.tokens))
+        interceptors.append(RequestDecodeInterceptor())  # innermost: after auth
         limit = config.max_message_bytes
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", limit),

@@ -1,5 +1,6 @@
-"""The two server interceptors: one maps exceptions to status codes (and logs and counts every
-RPC), the other checks bearer tokens.
+"""The server interceptors, outermost first: one maps exceptions to status codes (and logs and
+counts every RPC), one checks bearer tokens, and the innermost turns request bytes that do not
+parse into ``ValueError`` (INVALID_ARGUMENT), after authentication.
 
 Status codes (the one place they are decided):
 
@@ -165,7 +166,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                 record, t0 = CallRecord(rpc, request_id), time.perf_counter()
                 try:
                     admit(record, context)
-                    return await behaviour(_decoded(request), context)
+                    return await behaviour(request, context)
                 except asyncio.CancelledError:
                     record.code = grpc.StatusCode.CANCELLED
                     raise
@@ -188,7 +189,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                 record, t0 = CallRecord(rpc, request_id), time.perf_counter()
                 try:
                     admit(record, context)
-                    async for response in behaviour(_decoded(request), context):
+                    async for response in behaviour(request, context):
                         yield response
                 except asyncio.CancelledError:
                     record.code = grpc.StatusCode.CANCELLED
@@ -202,7 +203,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                     self._finish(record, t0)
             return wrapped
 
-        return _rebuild(handler, unary, stream, _tolerant(handler.request_deserializer))
+        return _rebuild(handler, unary, stream)
 
     def _finish(self, record: CallRecord, t0: float) -> None:
         seconds = time.perf_counter() - t0
@@ -238,3 +239,28 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return denied
 
         return _rebuild(handler, deny_unary, deny_stream)
+
+
+class RequestDecodeInterceptor(grpc.aio.ServerInterceptor):
+    """Innermost: request bytes that do not parse as the method's message raise ``ValueError``
+    inside the handler (INVALID_ARGUMENT through :class:`ExceptionInterceptor`), so a caller
+    without a valid token learns nothing of its request. Left to itself gRPC would answer a unary
+    call UNKNOWN and end a stream INTERNAL."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+
+        def wrap(behaviour):
+            if inspect.isasyncgenfunction(behaviour):
+                async def stream(request, context):
+                    async for response in behaviour(_decoded(request), context):
+                        yield response
+                return stream
+
+            async def unary(request, context):
+                return await behaviour(_decoded(request), context)
+            return unary
+
+        return _rebuild(handler, wrap, wrap, _tolerant(handler.request_deserializer))
