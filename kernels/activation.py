@@ -101,15 +101,16 @@ def flat_block_settings() -> tuple[int, int]:
 
 
 def strided_block_settings(n_rows: int, n_cols: int) -> tuple[int, int, int]:
-    """``(BLOCK_R, BLOCK_C, num_warps)`` of the strided kernel: tiles of 4096 elements, 8 warps.
+    """``(BLOCK_R, BLOCK_C, num_warps)`` of the strided kernel: tiles of 2048 elements, 4 warps.
 
-    As wide as the innermost dim allows (up to 1024 columns, coalesced when its stride is 1),
-    the rest of the 4096 in rows; the same elements a program as the flat kernel.
+    As wide as the innermost dim allows (up to 2048 columns, coalesced when its stride is 1),
+    the rest of the 2048 in rows. Swept on an H100 at swiglu [16384, 1] x [16384, 14336]
+    bfloat16 (columns 256 to 2048, tiles 2048 to 8192, 4 or 8 warps): 2048 x 1 at 4 warps moved
+    2853 GB/s, the next best 2730; tiles of 8192 fell to 800-2500.
     """
-    block_c = min(triton.next_power_of_2(n_cols), 1024)
-    block_r = min(max(1, 4096 // block_c), triton.next_power_of_2(n_rows))
-    warps = 8 if block_r * block_c >= 4096 else 4
-    return block_r, block_c, warps
+    block_c = min(triton.next_power_of_2(n_cols), 2048)
+    block_r = min(max(1, 2048 // block_c), triton.next_power_of_2(n_rows))
+    return block_r, block_c, 4
 
 
 def _expanded_strides(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:

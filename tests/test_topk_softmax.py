@@ -3,7 +3,8 @@
 
 Logits are multiples of 1/32 in [-8, 8): exact in every input dtype, with many exact ties, and
 distinct values far enough apart (weights differ by >= 3%) that float32 and float64 agree on
-the order, so indices compare exactly.
+the order, so indices compare exactly. Experts rank by logit (the order of their exact
+probabilities), equal logits to the lower index.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ CASES = sorted({(e, k) for e in EXPERTS for k in (1, 2, 8, e) if k <= e})
 VARIANTS = [(torch.bfloat16, False), (torch.float16, True), (torch.float32, False), (torch.float32, True)]
 # Weights are float32 computed from exact inputs, whatever the input dtype.
 W_ATOL, W_RTOL = 1e-6, 1e-5
+
+
+@pytest.fixture(params=[torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d).removeprefix("torch."))
+def dtype_all(request) -> torch.dtype:
+    return request.param
 
 
 def quantized_logits(n: int, e: int, gen: torch.Generator) -> torch.Tensor:
@@ -70,6 +76,24 @@ def test_ties_go_to_lower_index(backend, device, k):
     assert indices[1].tolist() == ([3 * i for i in range(22)] + [i for i in range(e) if i % 3])[:k]
     assert indices[2].tolist() == sorted(range(e), key=lambda i: (-(i % 4), i))[:k]
     assert indices[3].tolist() == ([5, 9, 40, 41] + [i for i in range(e) if i not in (5, 9, 40, 41)])[:k]
+    check(x, k, False, weights, indices)
+
+
+@pytest.mark.parametrize("k", [4, 12])
+def test_experts_rank_by_logit(backend, device, dtype_all, k):
+    # Probabilities that round to the same value (0 after underflow, or one float32 for logits
+    # an ulp apart) still rank by logit; equal logits, -0.0 and +0.0 included, by index.
+    dtype = dtype_all
+    x = torch.full((3, 16), -30000.0)
+    x[0, :4] = torch.tensor([0.0, -300.0, -200.0, -250.0])        # all but the first underflow
+    x[1, :6] = torch.tensor([-0.0, 0.0, -0.0, 1.0, 1.0, float("-inf")])
+    x[2, :3] = torch.tensor([1.0, 1.0, 1.0])
+    x[2, 1] = torch.nextafter(torch.tensor(1.0, dtype=dtype), torch.tensor(2.0, dtype=dtype)).item()
+    x = x.to(dtype).to(device)
+    weights, indices = topk_softmax(x, k, backend=backend)
+    assert indices[0, :4].tolist() == [0, 2, 3, 1]
+    assert indices[1, :min(k, 5)].tolist() == [3, 4, 0, 1, 2][:k]
+    assert indices[2, :3].tolist() == [1, 0, 2]
     check(x, k, False, weights, indices)
 
 
