@@ -10,7 +10,8 @@ flight), stops it, and prints one Markdown table. Servers:
 - ``echo``: ``bench.echo_server``, the transport floor: it receives the same request bytes and
   answers 8 bytes, doing no work;
 - ``batch off``: ``logitserve serve --max-batch-rows 1`` (every request is its own launch);
-- ``batch on``: ``logitserve serve --max-batch-rows 64 --max-delay-us 200``.
+- ``batch on``: ``logitserve serve --max-batch-rows 256 --max-delay-us 200`` (the server's
+  defaults; 256 rows let four 64-row RouteExperts requests share a launch, where 64 would not).
 
 Payloads: Sample 1x128256 in bfloat16 and float32 (a pool of requests whose temperature,
 top_k, top_p and seed vary from call to call, so batched rows carry mixed parameters) and
@@ -162,7 +163,7 @@ def server_specs(device: str, backend: str, extra: Sequence[str]) -> list[Server
     return [
         ServerSpec("echo", [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1"], is_echo=True),
         ServerSpec("batch off", serve + ["--max-batch-rows", "1", "--max-delay-us", "0"]),
-        ServerSpec("batch on", serve + ["--max-batch-rows", "64", "--max-delay-us", "200"]),
+        ServerSpec("batch on", serve + ["--max-batch-rows", "256", "--max-delay-us", "200"]),
     ]
 
 
@@ -358,7 +359,8 @@ def machine_line(args) -> str:
                     break
     return (f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, {platform.node()}, {cpu}, "
             f"{os.cpu_count()} CPUs, Python {platform.python_version()}, grpcio {grpc.__version__}, "
-            f"server device {args.device} (backend {args.backend})")
+            f"server device {args.device} (backend {args.backend}), "
+            f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the start")
 
 
 def _opt(value: float | None, fmt: str = "{:.0f}") -> str:
