@@ -15,15 +15,16 @@
 # build arguments, never baked into the image: an ARG is set as an environment variable for
 # the RUN steps below only, and pip reads PIP_* variables (empty ones are ignored):
 #
-#   podman build --build-arg BASE_IMAGE=localhost/bookworm-base \
-#     --build-arg PIP_FIND_LINKS=/opt/wheels -v /opt/wheels:/opt/wheels:ro \
-#     --build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
-#     -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro -t logitserve .
+#   podman build --format docker --build-arg BASE_IMAGE=localhost/bookworm-base \
+#     -v /opt/wheels:/run/build/wheels:ro --build-arg PIP_FIND_LINKS=/run/build/wheels \
+#     -v /etc/ssl/certs/ca-certificates.crt:/run/build/ca.crt:ro --build-arg PIP_CERT=/run/build/ca.crt \
+#     -t logitserve .
 #
-# (tests/test_container.py does the same, mounting under /run/ so that no empty mount point is
-# left in the image; scripts/container_base.sh makes that base.) Build-argument values are
-# recorded in the image's history (`docker history`): never put credentials in them; pass
-# those as a secret mount instead.
+# Mount under /run (a tmpfs during RUN: no empty mount point stays in the image), and not over
+# /etc/ssl/certs/ca-certificates.crt, which apt's ca-certificates rewrites on a bare base.
+# tests/test_container.py builds this way; scripts/container_base.sh makes that base. Build-
+# argument values are recorded in the image's history (`docker history`): never put
+# credentials in them; pass those as a secret mount instead.
 ARG BASE_IMAGE=pytorch/pytorch:2.10.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
