@@ -38,52 +38,36 @@ _WHOLE = tl.constexpr(0)
 _COOPERATIVE = tl.constexpr(1)
 _STATS = tl.constexpr(2)
 _APPLY = tl.constexpr(3)
-_PERSISTENT = tl.constexpr(4)
 
-# Row mode: rows up to this wide are held whole by one program; wider rows are split.
+# Measured on an H100 (docs/PERFORMANCE.md has the tables these choices come from).
+# Row mode: rows up to this wide are held whole by one program (64 x 32000: 13.6 us whole,
+# 14.4 us in 4 chunks); wider rows are split.
 WHOLE_ROW_MAX = 32768
-# Split rows: elements per chunk (halved down to SPLIT_BLOCK_MIN while a launch has fewer
-# than SPLIT_TILES_PER_SM chunks an SM, as decode batches of one to a few rows do).
+# Split rows: elements per chunk. 256 x 128256: 8192 beat 4096 and 16384 in float32 (104 us
+# against 118 and 129) and bfloat16; on 1 to 64 vocabulary rows 8192 is best or close to it.
 SPLIT_BLOCK = 8192
-SPLIT_BLOCK_MIN = 2048
-SPLIT_TILES_PER_SM = 4
-# Row mode: elements per program when rows are narrow (several rows share a program).
+# Row mode: elements per program when rows are narrow (several rows share a program). Causal
+# 32 x 2048 x 2048 float16: 168 us with 2048 (a row a program), 184 us with 4096.
 ROW_TILE = 2048
-# Column mode: neighbouring columns per program, and elements per program.
+# Column mode: neighbouring columns per program, and elements per program (best of 16/32/64
+# columns by 4096/8192/16384 elements over [4096, 4096] dim 0 and [32 or 64, 4096, 64 or 8] dim 1).
 COLUMN_WIDTH = 32
 COLUMN_TILE = 8192
 # Partials combined per step when chunks gather their group's statistics.
 COMBINE_TILE = 4096
-# Take tiles from a ticket counter in cooperative mode (see the module docstring).
+# Cooperative tiles from a ticket counter, in start order (see the module docstring). It costs
+# 5-9% on 256 x 128256 (float32 111 us against 104 us in program order) and buys progress that
+# does not depend on the hardware dispatching programs in order.
 USE_TICKET = True
-# Split rows run as a persistent grid of resident programs (else one program per tile).
-PERSISTENT = False
-# Per SM, for the persistent grid: warps, and registers a thread (1024 threads x 64 = 64K).
-RESIDENT_WARPS = 32
-RESIDENT_REGISTERS = 64
 
 
-def split_block(n_groups: int, n_red: int, n_sms: int, max_block: int) -> int:
-    """Chunk width for a split reduce axis: ``SPLIT_BLOCK``, halved for launches with few chunks.
-
-    H100, 256 x 128256: 8192-element chunks beat 4096 and 16384 in float32 and bfloat16
-    (docs/PERFORMANCE.md); a batch of 1 to 16 vocabulary rows fills the GPU only with smaller
-    chunks, so the width halves (down to ``SPLIT_BLOCK_MIN``) while there are fewer than
-    ``SPLIT_TILES_PER_SM`` chunks an SM.
-    """
-    block = min(SPLIT_BLOCK, max_block)
-    while block > SPLIT_BLOCK_MIN and n_groups * triton.cdiv(n_red, block) < SPLIT_TILES_PER_SM * n_sms:
-        block //= 2
-    return block
-
-
-def tile_settings(n_pos: int, n_red: int, red_contiguous: bool, max_block: int, *, itemsize: int = 4,
-                  n_outer: int = 1, n_sms: int = 0) -> tuple[int, int, int]:
+def tile_settings(n_pos: int, n_red: int, red_contiguous: bool, max_block: int, *,
+                  itemsize: int = 4) -> tuple[int, int, int]:
     """``(BLOCK_P, BLOCK_R, num_warps)`` for a program holding ``BLOCK_P`` positions by ``BLOCK_R`` reduce elements.
 
     Row mode (contiguous reduce axis) takes the row's next power of two up to ``WHOLE_ROW_MAX``
     (and ``max_block``), packing rows until the tile holds ``ROW_TILE`` elements, as the Triton
-    fused-softmax tutorial packs short rows; wider rows are split in chunks of ``split_block``.
+    fused-softmax tutorial packs short rows; wider rows are split in chunks of ``SPLIT_BLOCK``.
     Column mode takes ``COLUMN_WIDTH`` neighbouring positions (128 contiguous bytes in float32:
     whole sectors per warp) and as much of the reduce axis as fits ``COLUMN_TILE``. Warps follow
     ``row_block_settings`` on the tile's element count (Liger-Kernel ``calculate_settings``),
@@ -93,7 +77,7 @@ def tile_settings(n_pos: int, n_red: int, red_contiguous: bool, max_block: int, 
     if red_contiguous:
         block_r = min(triton.next_power_of_2(n_red), max_block, WHOLE_ROW_MAX)
         if block_r < n_red:
-            block_r = split_block(n_outer * n_pos, n_red, n_sms, max_block)
+            block_r = min(SPLIT_BLOCK, max_block)
             warps = max(4, min(32, block_r * itemsize // 4096))
             return 1, block_r, warps
         block_p = min(triton.next_power_of_2(n_pos), max(1, ROW_TILE // block_r))
@@ -102,14 +86,6 @@ def tile_settings(n_pos: int, n_red: int, red_contiguous: bool, max_block: int, 
         block_r = min(triton.next_power_of_2(n_red), max(1, COLUMN_TILE // block_p), max_block)
     _, warps = row_block_settings(block_p * block_r)
     return block_p, block_r, warps
-
-
-def persistent_warps(tile_elements: int) -> int:
-    """Warps of a persistent program: 16 elements a thread, so that a tile, the prefetched next
-    tile and their addresses fit the 64 registers a thread that residency allows (ptxas -v on
-    sm_90: 64 registers, at most 16 bytes spilled, float32; 32 elements a thread spill 276 bytes).
-    """
-    return max(1, min(32, tile_elements // (16 * 32)))
 
 
 @triton.jit
@@ -138,17 +114,13 @@ def _combine_partials(stats_ptr, group, SPLIT: tl.constexpr, BLOCK_P: tl.constex
 
 
 @triton.jit
-def _arrive(count_ptr):
-    # The barrier orders every thread's statistics stores before the release (as cooperative
-    # groups' grid sync: __syncthreads, then one thread's fenced atomic).
+def _wait_for_group(count_ptr, SPLIT: tl.constexpr):
+    # Arrive, then spin until every chunk of the group has arrived. The barrier orders every
+    # thread's statistics stores before the release; the acquire and the barrier after it order
+    # the spin before the loads of the other chunks' statistics (as cooperative groups' grid
+    # sync: __syncthreads, one thread's fenced atomic, __syncthreads).
     tl.debug_barrier()
     tl.atomic_add(count_ptr, 1, sem="release")
-
-
-@triton.jit
-def _await_group(count_ptr, SPLIT: tl.constexpr):
-    # Spin until every chunk of the group has arrived; the acquire and the barrier after it
-    # order the spin before the loads of the other chunks' statistics.
     arrived = tl.atomic_add(count_ptr, 0, sem="acquire")
     while arrived < SPLIT:
         arrived = tl.atomic_add(count_ptr, 0, sem="acquire")
@@ -215,7 +187,7 @@ def _chunk_stats(x, stats_ptr, group, chunk, SPLIT: tl.constexpr, BLOCK_P: tl.co
 def _rescale_after_group(e, m_c, stats_ptr, sync_ptr, group, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
                          BLOCK_SPLIT: tl.constexpr):
     # Wait for the group's other chunks, then exp(x - m) / s = exp(x - m_c) * exp(m_c - m) / s.
-    _await_group(sync_ptr + group, SPLIT)
+    _wait_for_group(sync_ptr + group, SPLIT)
     m, s = _combine_partials(stats_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT, True)
     _leave_group(sync_ptr + group, SPLIT)
     return e * (tl.exp(m_c - m) * (1.0 / s))[:, None]
@@ -231,88 +203,44 @@ def _softmax_kernel(
     MODE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, TICKET: tl.constexpr,
     LOAD_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
 ):
-    if MODE == _PERSISTENT:
-        # Every program is resident (the plan sizes the grid): program i takes tiles i, i + grid,
-        # ...; a group's chunks run in the same round. The next tile's loads are issued before
-        # waiting for the group, so memory stays busy through the wait.
-        pid = tl.program_id(0)
-        step = tl.num_programs(0)
-        group, chunk, o0, o1, o2, offs_p, r_local, offs_r = _tile_coords(
-            pid, n_pos_tiles, n_o1, n_o2, chunk_len, SPLIT, BLOCK_P, BLOCK_R)
-        mask, visible, load_mask = _tile_masks(offs_p, r_local, offs_r, n_pos, n_red, chunk_len, CAUSAL, LOAD_ALIGN)
-        x_ptrs = (x_ptr + o0 * x_stride_o0 + o1 * x_stride_o1 + o2 * x_stride_o2
-                  + offs_p[:, None] * x_stride_p + offs_r[None, :] * x_stride_r)
-        x_next = tl.load(x_ptrs, mask=load_mask, other=float("-inf"))
-        for tile in range(pid, n_tiles, step):
-            group, chunk, o0, o1, o2, offs_p, r_local, offs_r = _tile_coords(
-                tile, n_pos_tiles, n_o1, n_o2, chunk_len, SPLIT, BLOCK_P, BLOCK_R)
-            mask, visible, load_mask = _tile_masks(offs_p, r_local, offs_r, n_pos, n_red, chunk_len, CAUSAL, LOAD_ALIGN)
-            x = tl.where(visible, x_next.to(stats_ptr.dtype.element_ty), float("-inf"))
-            m_c, e = _chunk_stats(x, stats_ptr, group, chunk, SPLIT, BLOCK_P)
-            # Arrive first: a release waits until this thread's earlier loads are done.
-            _arrive(sync_ptr + group)
-            _, _, n0, n1, n2, n_offs_p, n_r_local, n_offs_r = _tile_coords(
-                tile + step, n_pos_tiles, n_o1, n_o2, chunk_len, SPLIT, BLOCK_P, BLOCK_R)
-            _, _, n_load_mask = _tile_masks(n_offs_p, n_r_local, n_offs_r, n_pos, n_red, chunk_len, CAUSAL, LOAD_ALIGN)
-            x_ptrs = (x_ptr + n0 * x_stride_o0 + n1 * x_stride_o1 + n2 * x_stride_o2
-                      + n_offs_p[:, None] * x_stride_p + n_offs_r[None, :] * x_stride_r)
-            x_next = tl.load(x_ptrs, mask=n_load_mask & (tile + step < n_tiles), other=float("-inf"))
-            y = _rescale_after_group(e, m_c, stats_ptr, sync_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT)
-            if CAUSAL:
-                y = tl.where(visible, y, 0.0)
-            out_ptrs = (out_ptr + o0 * out_stride_o0 + o1 * out_stride_o1 + o2 * out_stride_o2
-                        + offs_p[:, None] * out_stride_p + offs_r[None, :] * out_stride_r)
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if MODE == _COOPERATIVE and TICKET:
+        # Tiles in start order (CUB's decoupled look-back): a group waits only for programs
+        # already running; the last ticket sets the counter back to 0.
+        tile = tl.atomic_add(sync_ptr + n_tiles // SPLIT, 1)
+        if tile == n_tiles - 1:
+            tl.atomic_xchg(sync_ptr + n_tiles // SPLIT, 0)
     else:
-        if MODE == _COOPERATIVE and TICKET:
-            # Tiles in start order (CUB's decoupled look-back): a group waits only for programs
-            # already running; the last ticket sets the counter back to 0.
-            tile = tl.atomic_add(sync_ptr + n_tiles // SPLIT, 1)
-            if tile == n_tiles - 1:
-                tl.atomic_xchg(sync_ptr + n_tiles // SPLIT, 0)
-        else:
-            tile = tl.program_id(0)
-        group, chunk, o0, o1, o2, offs_p, r_local, offs_r = _tile_coords(
-            tile, n_pos_tiles, n_o1, n_o2, chunk_len, SPLIT, BLOCK_P, BLOCK_R)
-        mask, visible, load_mask = _tile_masks(offs_p, r_local, offs_r, n_pos, n_red, chunk_len, CAUSAL, LOAD_ALIGN)
-        x_ptrs = (x_ptr + o0 * x_stride_o0 + o1 * x_stride_o1 + o2 * x_stride_o2
-                  + offs_p[:, None] * x_stride_p + offs_r[None, :] * x_stride_r)
-        x = tl.load(x_ptrs, mask=load_mask, other=float("-inf")).to(stats_ptr.dtype.element_ty)
+        tile = tl.program_id(0)
+    group, chunk, o0, o1, o2, offs_p, r_local, offs_r = _tile_coords(
+        tile, n_pos_tiles, n_o1, n_o2, chunk_len, SPLIT, BLOCK_P, BLOCK_R)
+    mask, visible, load_mask = _tile_masks(offs_p, r_local, offs_r, n_pos, n_red, chunk_len, CAUSAL, LOAD_ALIGN)
+    x_ptrs = (x_ptr + o0 * x_stride_o0 + o1 * x_stride_o1 + o2 * x_stride_o2
+              + offs_p[:, None] * x_stride_p + offs_r[None, :] * x_stride_r)
+    x = tl.load(x_ptrs, mask=load_mask, other=float("-inf")).to(stats_ptr.dtype.element_ty)
+    if CAUSAL:
+        x = tl.where(visible, x, float("-inf"))
+    if MODE == _WHOLE:
+        # softmax(x) = exp(x - max) / sum(exp(x - max)); a row of -inf gives NaN, as torch.
+        m = tl.max(x, axis=1)
+        e = tl.exp(x - m[:, None])
+        y = e * (1.0 / tl.sum(e, axis=1))[:, None]
+    elif MODE == _APPLY:
+        m, s = _combine_partials(stats_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT, False)
+        y = tl.exp(x - m[:, None]) * (1.0 / s)[:, None]
+    else:
+        m_c, e = _chunk_stats(x, stats_ptr, group, chunk, SPLIT, BLOCK_P)
+        if MODE == _COOPERATIVE:
+            y = _rescale_after_group(e, m_c, stats_ptr, sync_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT)
+    if MODE != _STATS:
         if CAUSAL:
-            x = tl.where(visible, x, float("-inf"))
-        if MODE == _WHOLE:
-            # softmax(x) = exp(x - max) / sum(exp(x - max)); a row of -inf gives NaN, as torch.
-            m = tl.max(x, axis=1)
-            e = tl.exp(x - m[:, None])
-            y = e * (1.0 / tl.sum(e, axis=1))[:, None]
-        elif MODE == _APPLY:
-            m, s = _combine_partials(stats_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT, False)
-            y = tl.exp(x - m[:, None]) * (1.0 / s)[:, None]
-        else:
-            m_c, e = _chunk_stats(x, stats_ptr, group, chunk, SPLIT, BLOCK_P)
-            if MODE == _COOPERATIVE:
-                _arrive(sync_ptr + group)
-                y = _rescale_after_group(e, m_c, stats_ptr, sync_ptr, group, SPLIT, BLOCK_P, BLOCK_SPLIT)
-        if MODE != _STATS:
-            if CAUSAL:
-                y = tl.where(visible, y, 0.0)
-            out_ptrs = (out_ptr + o0 * out_stride_o0 + o1 * out_stride_o1 + o2 * out_stride_o2
-                        + offs_p[:, None] * out_stride_p + offs_r[None, :] * out_stride_r)
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+            y = tl.where(visible, y, 0.0)
+        out_ptrs = (out_ptr + o0 * out_stride_o0 + o1 * out_stride_o1 + o2 * out_stride_o2
+                    + offs_p[:, None] * out_stride_p + offs_r[None, :] * out_stride_r)
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _resident_programs(device: torch.device, num_warps: int) -> int:
-    """Programs of ``num_warps`` warps that fit on the GPU at once, whatever their register count.
-
-    ``RESIDENT_WARPS`` warps per SM at ``RESIDENT_REGISTERS`` registers a thread (the launch caps
-    registers there with ``maxnreg``) use 1024 threads and all 64K registers of an SM (H100,
-    A100: 2048 threads, 64K registers), so ``RESIDENT_WARPS // num_warps`` programs always fit.
-    """
-    return _sm_count(device) * max(1, RESIDENT_WARPS // num_warps)
 
 
 class SoftmaxLaunch:
@@ -333,10 +261,8 @@ class SoftmaxLaunch:
         for size, _, _ in self.outer:
             n_outer *= size
         red_contiguous = red[1] == 1 or pos[1] != 1
-        n_sms = _sm_count(device) if backend == "triton" else 0
         self.block_p, self.block_r, self.num_warps = tile_settings(
-            pos[0], red[0], red_contiguous, max_block or (1 << 30), itemsize=dtype.itemsize,
-            n_outer=n_outer, n_sms=n_sms)
+            pos[0], red[0], red_contiguous, max_block or (1 << 30), itemsize=dtype.itemsize)
         self.split = triton.cdiv(red[0], self.block_r)
         align = min(16, self.block_r)  # chunk starts on 16-element boundaries, for vector loads
         self.chunk_len = triton.cdiv(triton.cdiv(red[0], self.split), align) * align
@@ -344,17 +270,9 @@ class SoftmaxLaunch:
         self.n_groups = n_outer * self.n_pos_tiles
         self.n_tiles = self.n_groups * self.split
         self.grid = (self.n_tiles,)
-        self.options = {"num_warps": self.num_warps}
         if self.split == 1:
             self.modes = (_WHOLE,)
-        elif (backend == "triton" and cooperative and PERSISTENT
-              and self.split <= _resident_programs(device, persistent_warps(self.block_p * self.block_r))):
-            self.modes = (_PERSISTENT,)
-            self.num_warps = self.options["num_warps"] = persistent_warps(self.block_p * self.block_r)
-            resident = _resident_programs(device, self.num_warps)
-            self.grid = (min(self.n_tiles, resident // self.split * self.split),)
-            self.options["maxnreg"] = RESIDENT_REGISTERS
-        elif backend == "triton" and cooperative and not PERSISTENT and self.split <= _sm_count(device):
+        elif backend == "triton" and cooperative and self.split <= _sm_count(device):
             self.modes = (_COOPERATIVE,)
         else:
             self.modes = (_STATS, _APPLY)
@@ -362,7 +280,7 @@ class SoftmaxLaunch:
         stats_dtype = compute_dtype(dtype)
         n_stats = 2 * self.n_tiles * self.block_p if self.split > 1 else 1
         self.stats = torch.empty(n_stats, dtype=stats_dtype, device=device)
-        n_sync = self.n_groups + 1 if self.modes[0] in (_COOPERATIVE, _PERSISTENT) else 1
+        n_sync = self.n_groups + 1 if self.modes == (_COOPERATIVE,) else 1
         self.sync = torch.zeros(n_sync, dtype=torch.int32, device=device)
         self.workspace_size = self.stats.nbytes + self.sync.nbytes
         self.kernel = _softmax_kernel.for_backend(backend)
@@ -375,15 +293,13 @@ class SoftmaxLaunch:
                 os0, os1, os2, self.pos[2], self.red[2],
                 n_o1, n_o2, self.pos[0], self.red[0], self.n_pos_tiles, self.n_tiles, self.chunk_len)
 
-    def constexprs(self, mode) -> dict:
-        return dict(MODE=mode, CAUSAL=self.causal, SPLIT=self.split, TICKET=USE_TICKET,
-                    LOAD_ALIGN=self.load_align, BLOCK_P=self.block_p, BLOCK_R=self.block_r,
-                    BLOCK_SPLIT=self.block_split, **self.options)
-
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         args = self.args(x, out)
         for mode in self.modes:
-            self.kernel[self.grid](*args, **self.constexprs(mode))
+            self.kernel[self.grid](
+                *args, MODE=mode, CAUSAL=self.causal, SPLIT=self.split, TICKET=USE_TICKET,
+                LOAD_ALIGN=self.load_align, BLOCK_P=self.block_p, BLOCK_R=self.block_r,
+                BLOCK_SPLIT=self.block_split, num_warps=self.num_warps)
 
 
 def _collapse(dims: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
