@@ -23,6 +23,7 @@ from .reference import topk_softmax as reference
 # (4096 keys = 16 registers a thread per key half at 8 warps); wider rows would need a loop.
 MAX_EXPERTS = 4096
 GATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOW_BITS = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 32}
 
 
 @triton.jit
@@ -75,17 +76,19 @@ def _topk_softmax_kernel(
     out_row_stride, x_row_stride, x_col_stride,
     n_rows, n_experts,
     K: tl.constexpr, RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_SORT: tl.constexpr, VALUE_BITS: tl.constexpr, MARK: tl.constexpr,
-    LOG_ROWS: tl.constexpr, LOG_E: tl.constexpr, LOG_K: tl.constexpr,
+    EVEN_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_SORT: tl.constexpr, LOW_BITS: tl.constexpr,
+    MARK: tl.constexpr, LOG_ROWS: tl.constexpr, LOG_E: tl.constexpr, LOG_K: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_E)
     row_mask = rows < n_rows
-    col_mask = cols < n_experts
+    if EVEN_E:
+        mask = row_mask[:, None]
+    else:
+        mask = row_mask[:, None] & (cols < n_experts)[None, :]
     x_offs = rows[:, None] * x_row_stride + cols.to(tl.int64)[None, :] * x_col_stride
-    x_raw = tl.load(x_ptr + x_offs, mask=row_mask[:, None] & col_mask[None, :], other=-float("inf"))
-    x = x_raw.to(tl.float32)
+    x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
 
     # p = exp(x - max) / sum(exp(x - max)); padded columns load -inf and add exp(-inf) = 0.
     row_max = tl.max(x, axis=1)
@@ -95,19 +98,21 @@ def _topk_softmax_kernel(
     # (-inf - -inf): every expert of such a row ties, so indices 0..k-1 win, with NaN weights.
     row_ok = total == total
 
-    # Key: the logit's bits made order-preserving (sign-magnitude to two's complement, so
-    # -0.0 = +0.0) above the reversed index: distinct keys, largest = largest logit, ties to
-    # the lower index. 16-bit logits fit an int32 key, half the work of float32's int64 key.
+    # Key: the logit's float32 bits made order-preserving (negatives get their magnitude bits
+    # flipped; + 0.0 first turns -0.0 into +0.0) above the reversed index: distinct keys,
+    # largest = largest logit, ties to the lower index. A 16-bit logit uses only the top 16
+    # (bfloat16) or 19 (float16) bits, so its key fits an int32; float32 logits need an int64.
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     low = BLOCK_E - 1 - cols
-    if VALUE_BITS == 16:
-        bits = x_raw.to(tl.int16, bitcast=True).to(tl.int32)
-        key = (tl.where(bits < 0, -(bits & 0x7FFF), bits) << 16) | low[None, :]
+    if LOW_BITS == 32:
+        key = (ordered.to(tl.int64) << 32) | low[None, :]
     else:
-        bits = x_raw.to(tl.int32, bitcast=True)
-        key = (tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits).to(tl.int64) << 32) | low[None, :]
+        key = (ordered & -(1 << LOW_BITS)) | low[None, :]
     key = tl.where(row_ok[:, None], key, low[None, :])
-    # Padding sits below every real key and above MARK + j, the mark of the j-th chosen.
-    key = tl.where(col_mask[None, :], key, MARK + (1 << VALUE_BITS) - 1)
+    if not EVEN_E:
+        # Padding sits below every real key and above MARK + j, the mark of the j-th chosen.
+        key = tl.where((cols < n_experts)[None, :], key, MARK + (1 << LOW_BITS) - 1)
 
     if USE_SORT:
         # Output position p holds the p-th largest key; decode expert and logit from it.
@@ -115,20 +120,23 @@ def _topk_softmax_kernel(
         kcols = tl.arange(0, BLOCK_K)
         chosen = (kcols < K)[None, :]
         position = kcols[None, :]
-        ordered = top >> VALUE_BITS
-        if VALUE_BITS == 16:
-            indices = BLOCK_E - 1 - (top & 0xFFFF)
-            bits = tl.where(ordered < 0, (-ordered) | 0x8000, ordered).to(tl.int16)
-        else:
+        if LOW_BITS == 32:
             indices = BLOCK_E - 1 - top.to(tl.int32)  # truncation keeps the low half
-            bits = tl.where(ordered < 0, (-ordered) | (-2147483648), ordered).to(tl.int32)
-        e_out = tl.exp(bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32) - row_max[:, None])
+            ordered = (top >> 32).to(tl.int32)
+            bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+        else:
+            indices = BLOCK_E - 1 - (top & ((1 << LOW_BITS) - 1))
+            ordered = top & -(1 << LOW_BITS)
+            bits = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)) & -(1 << LOW_BITS)
+        e_out = tl.exp(bits.to(tl.float32, bitcast=True) - row_max[:, None])
     else:
         # k rounds of max-and-remove: the chosen key becomes MARK + round, so afterwards every
         # expert knows its output position and stores itself; no data leaves the key tile.
+        mark = tl.full([1, 1], MARK, key.dtype)
         for j in range(K):
             best = tl.max(key, axis=1)
-            key = tl.where(key == best[:, None], MARK + j, key)
+            key = tl.where(key == best[:, None], mark, key)
+            mark += 1
         chosen = key < MARK + K
         position = (key ^ MARK).to(tl.int32)
         e_out = e
@@ -139,43 +147,45 @@ def _topk_softmax_kernel(
     if RENORMALIZE:
         denom = tl.where(row_ok, tl.sum(tl.where(chosen, e_out, 0.0), axis=1), total)
     weights = e_out * (1.0 / denom)[:, None]
-    out_offs = rows[:, None] * out_row_stride + position
     out_mask = row_mask[:, None] & chosen
-    tl.store(weights_ptr + out_offs, weights, mask=out_mask)
-    tl.store(indices_ptr + out_offs, indices, mask=out_mask)
+    row_offs = (rows * out_row_stride)[:, None]
+    tl.store(weights_ptr + row_offs + position, weights, mask=out_mask)
+    tl.store(indices_ptr + row_offs + position, indices, mask=out_mask)
 
 
 def rows_per_program(n_rows: int, block_e: int) -> int:
-    """Rows one program owns: a tile of about 512 logits, fewer rows while that leaves under 256 programs.
+    """Rows one program owns: a tile of at least 256 logits, fewer rows while that leaves under 256 programs.
 
-    Swept on an H100 (16384 tokens, 64 to 4096 experts, 1 to 64 rows, 1 to 16 warps): the best
-    tiles held 256 to 1024 logits; 256 programs is about two per SM (132 SMs), below which
+    Swept on an H100 (16384 tokens, 64 to 4096 experts, 1 to 32 rows, 1 to 8 warps): one row a
+    program from 256 experts up (18.5 us at 256 against 19.7 for two rows), 2 rows at 128 and
+    4 at 64 within 8% of the best tile. 256 programs is about two per SM (132 SMs), below which
     splitting rows further shortens the critical path (64 tokens: one row a program).
     """
-    rows = max(1, 512 // block_e)
+    rows = max(1, 256 // block_e)
     while rows > 1 and triton.cdiv(n_rows, rows) < 256:
         rows //= 2
     return rows
 
 
 def num_warps_for(rows: int, block_e: int) -> int:
-    """Warps for a ``[rows, block_e]`` tile: the fewest that keep 64 keys or fewer a thread.
+    """Warps for a ``[rows, block_e]`` tile: one per 1024 logits.
 
-    Selection is bound by instruction issue and by its per-round cross-thread reductions; one
-    warp per row won the sweep up to 1024 experts (cross-warp reductions go through shared
-    memory), two warps at 4096.
+    Selection is bound by instruction issue and by its per-round reductions, and a reduction
+    across warps goes through shared memory: one warp a row won the sweep up to 1024 experts
+    (58.6 us at 1024 against 62.4 for two), four warps at 4096 (266 us; 311 for two, 680 for one).
     """
-    return max(1, rows * block_e // (32 * 64))
+    return max(1, rows * block_e // 1024)
 
 
 def use_sort(k: int) -> bool:
-    """Bitonic top-k beyond 8; up to 8, ``k`` rounds of max-and-remove are cheaper.
+    """Bitonic top-k beyond 16; up to 16, ``k`` rounds of max-and-remove are cheaper.
 
     A round costs one tile-wide max and one compare per key, so rounds grow with ``k``; the
-    network costs about ``log2(k) * (log2(E) - log2(k) / 2)`` compare-and-swap passes. On the
-    H100 sweep at 16384x256: rounds 35 us vs bitonic 36 us at k=8, 59 vs 41 at k=16.
+    network costs about ``log2(k) * (log2(E) - log2(k) / 2)`` compare-and-swap passes. H100 sweep
+    at 16384x256 bfloat16: rounds 18.5 us vs bitonic 22.3 at k=8, 21.7 vs 24.9 at k=12, 23.7 vs
+    25.0 at k=16; with int64 keys, 106 vs 44 at k=32.
     """
-    return k > 8
+    return k > 16
 
 
 def _check_option_types(k, renormalize) -> None:
@@ -238,10 +248,12 @@ class TopkSoftmaxPlan:
         self.rows = rows_per_program(n_rows, block_e)
         self.num_warps = num_warps_for(self.rows, block_e)
         block_k = max(2, triton.next_power_of_2(k))  # the bitonic network needs >= 1 level
-        value_bits = 32 if gate_logits.dtype == torch.float32 else 16
-        self.meta = dict(K=k, RENORMALIZE=renormalize, ROWS=self.rows, BLOCK_E=block_e, BLOCK_K=block_k,
-                         USE_SORT=use_sort(k), VALUE_BITS=value_bits, MARK=-(2 ** (2 * value_bits - 1)),
-                         LOG_ROWS=self.rows.bit_length() - 1,
+        # Index bits under the logit's bits in a key: float32 logits take an int64's high half;
+        # bfloat16 (float32's top 16 bits) and float16 (its top 19 once widened) leave 16 and 13.
+        low_bits = LOW_BITS[gate_logits.dtype]
+        self.meta = dict(K=k, RENORMALIZE=renormalize, ROWS=self.rows, BLOCK_E=block_e,
+                         EVEN_E=block_e == n_experts, BLOCK_K=block_k, USE_SORT=use_sort(k), LOW_BITS=low_bits,
+                         MARK=-(2 ** 63) if low_bits == 32 else -(2 ** 31), LOG_ROWS=self.rows.bit_length() - 1,
                          LOG_E=block_e.bit_length() - 1, LOG_K=block_k.bit_length() - 1)
         self.grid = (triton.cdiv(n_rows, self.rows),)
         self.args = (k, gate_logits.strides[0], gate_logits.strides[1], n_rows, n_experts)
