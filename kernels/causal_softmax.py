@@ -20,7 +20,8 @@ from .reference import causal_softmax as reference
 from .softmax import SoftmaxLaunch, check_out
 
 # Elements per vector load on the causal boundary: 8 (16 bytes of float16/bfloat16). 1 reads
-# exactly the visible cells with unvectorised loads.
+# exactly the visible cells with unvectorised loads: 32 x 2048 x 2048 float16 took 200 us so
+# against 184 us with 8 (H100, same tile).
 LOAD_ALIGN = 8
 
 
@@ -39,6 +40,9 @@ class CausalSoftmaxPlan:
         ``"auto"``, ``"triton"``, ``"interpret"`` or ``"torch"``.
     max_block, cooperative :
         As for :class:`~logitserve.kernels.softmax.SoftmaxPlan` (tests and tuning).
+    load_align : int
+        Loads stop at the ``load_align``-element vector holding each row's diagonal (default
+        ``LOAD_ALIGN``); 1 loads exactly the visible cells, unvectorised (tests and tuning).
 
     Example
     -------
