@@ -378,7 +378,8 @@ def _rss_summary(samples: list[tuple[float, int]], warmup_s: float) -> dict:
                 max_mib=round(max(k for _, k in samples) / 1024, 1),
                 growth_after_warmup_mib=round((samples[-1][1] - after[0][1]) / 1024, 1),
                 max_above_warm_mib=round((max(k for _, k in after) - after[0][1]) / 1024, 1),
-                slope_mib_per_min=round(slope, 2))
+                slope_mib_per_min=round(slope, 2),
+                series_mib=[(round(t), round(k / 1024, 1)) for t, k in samples[::10]])  # every ~5 s
 
 
 def queue_probe(calls: int = 24, launch_delay_ms: float = 500, max_queue: int = 4) -> dict:
@@ -464,6 +465,7 @@ def markdown(report: dict) -> str:
         "",
         "Calls by RPC: " + ", ".join(f"{k} {v}" for k, v in sorted(report["by_rpc"].items())),
         "Statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(report["by_status"].items())),
+        "Server RSS (s: MiB): " + ", ".join(f"{t}: {m}" for t, m in rss.get("series_mib", [])),
     ]
     if "queue_probe" in report:
         q = report["queue_probe"]
