@@ -19,8 +19,9 @@ from ._backend import launchable, resolve_backend
 from ._plan import TensorSpec, check_dtype, plan_cache
 from .reference import topk_softmax as reference
 
-# The widest expert axis: one program holds a whole row of int64 keys in registers
-# (4096 keys = 16 registers a thread per key half at 8 warps); wider rows would need a loop.
+# The widest expert axis: one program holds a whole row of keys in registers (4096 float32
+# keys at 4 warps: 32 int64 keys, 64 registers, a thread); the float16 key keeps 13 index bits,
+# so 8192 is a hard ceiling. Wider rows would need a loop over chunks.
 MAX_EXPERTS = 4096
 GATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOW_BITS = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 32}
