@@ -1,18 +1,24 @@
-"""The split passes of ``sample``: per-chunk statistics, the per-row merge, and the candidate gather.
+"""The first launch of ``sample`` (statistics and merge) and the candidate gather of the second.
 
 A row of ``n_cols`` logits is cut into chunks of ``CH`` columns so that one row still spreads
-over many programs (a single row is the latency case). Within a chunk, the ``CH`` values form
-``NG`` strided groups (group ``j`` holds columns ``j, j + NG, j + 2 NG, ...``).
+over many programs (a single row is the latency case). A chunk is loaded as a ``[CH / NG, NG]``
+tile: column ``j`` of the tile is the chunk's strided group ``j`` (its columns ``j, j + NG, ...``).
 
-1. ``chunk_stats_kernel`` (grid rows x chunks): the chunk's max and first arg-max, its softmax
-   partial ``sum(exp((x - max_c) / T))``, NaN / finite flags, and the max of each group.
-2. ``row_merge_kernel`` (grid rows): the row's max, softmax total, validity and greedy token; it
-   writes the answer of invalid (-1) and greedy rows. For the others it finds a lower bound
-   ``L`` of the k-th largest logit: the k-th largest *group max*. k group maxima are k distinct
-   tokens >= L, so at least k tokens are >= L and the k-th largest value is >= L; strided
-   groups keep clusters of large logits in different groups, so the bound is tight.
-3. ``gather_kernel`` (grid rows x chunks): every token >= L into a per-row candidate list of
-   ``CAP`` slots (an atomic counter hands out positions). The list is then complete above L.
+``_stats_merge`` (grid rows x chunks): each program reduces its chunk to its max, first arg-max,
+softmax partial ``sum(exp((x - max_c) / T))``, a NaN / finite flag and its group maxima. The
+last program of a row to finish (an atomic ticket: the classic last-block pattern, CUDA's
+threadFenceReduction sample) merges the row: max, softmax total, validity, greedy token. It
+writes the answer of invalid (-1) and greedy rows. For the others it finds a lower bound ``L``
+of the k-th largest logit, the k-th largest *group max*: k group maxima are k distinct tokens
+>= L, so the k-th largest value is >= L. Strided groups put a cluster of large logits into
+different groups, which keeps the bound tight.
+
+``gather_chunk`` (in the second launch): every token >= L into the row's candidate list of
+``CAP`` slots, a slot per token from an atomic counter. Only the groups whose max reaches L are
+read again. The list is then complete above L: the order of the slots does not matter.
+
+The workspace is one byte buffer; ``workspace_layout`` is its map, computed the same way here
+and in the plan.
 """
 
 from __future__ import annotations
@@ -21,9 +27,69 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable
-from ._sampling_select import key_bits_to_i64, key_from_i64, order_key, rel_weight, select_key_in_block, to_compute
+from ._sampling_select import key_bits_to_i64, key_from_i64, order_key, rel_weight, row_select_key, to_compute
 
 INT32_MAX = tl.constexpr(2147483647)
+# Candidate slots per row. A top_k up to K_GATHER_MAX (or, without top_k, the K_GATHER_DEFAULT
+# largest logits) sets the gather bound; on random logits the list then holds about
+# k + k^2 / (2 * groups) tokens (k tokens in distinct groups, plus collisions): under 140 for
+# k = 128 and 1024 groups, so 256 slots leave room for ties.
+CAP = tl.constexpr(256)
+K_GATHER_MAX = tl.constexpr(128)
+K_GATHER_DEFAULT = tl.constexpr(128)
+# The bound needs only be a lower bound: 5 rounds of 4 bits settle sign, exponent and 11
+# mantissa bits of the k-th group max (0.05% of its value), in 5 of the 8 rounds.
+BOUND_ROUNDS = tl.constexpr(5)
+ROW_STATE_SAMPLE = tl.constexpr(0)
+
+
+def workspace_layout(n_rows: int, n_chunks: int, n_groups: int, ct_size: int) -> int:
+    """Total bytes of the workspace (the same arithmetic as ``ws_offsets``)."""
+    def align(n):
+        return (n + 15) // 16 * 16
+    sizes = (4 * n_rows, 4 * n_rows, 4 * n_rows, 16 * n_rows, 2 * ct_size * n_rows, 8 * n_rows * n_chunks,
+             2 * ct_size * n_rows * n_chunks, ct_size * n_rows * n_groups, ct_size * n_rows * CAP.value,
+             4 * n_rows * CAP.value)
+    return sum(align(s) for s in sizes)
+
+
+@triton.jit
+def _align16(n):
+    return (n + 15) // 16 * 16
+
+
+@triton.jit
+def ws_offsets(n_rows, n_chunks, NG: tl.constexpr, IS_F64: tl.constexpr):
+    """Byte offsets of: kernel-B tickets, candidate counts, row ints (state, bound), row floats
+    (max, sum), chunk flags (flag, first), chunk stats (max, sum), group maxima, candidate values,
+    candidate indices. Kernel-A tickets sit at offset 0."""
+    CT: tl.constexpr = 8 if IS_F64 else 4
+    rows = tl.cast(n_rows, tl.int64)
+    o_tickets_b = _align16(4 * rows)
+    o_count = o_tickets_b + _align16(4 * rows)
+    o_rowi = o_count + _align16(4 * rows)
+    o_rowf = o_rowi + _align16(16 * rows)
+    o_flags = o_rowf + _align16(2 * CT * rows)
+    o_stats = o_flags + _align16(8 * rows * n_chunks)
+    o_groups = o_stats + _align16(2 * CT * rows * n_chunks)
+    o_cx = o_groups + _align16(CT * rows * n_chunks * NG)
+    o_ci = o_cx + _align16(CT * rows * CAP)
+    return o_tickets_b, o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci
+
+
+@triton.jit
+def ws_ptr_of(ws_ptr, byte_offset, dtype: tl.constexpr):
+    """A typed view into the byte workspace."""
+    return (ws_ptr + byte_offset).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def ct_ptr_of(ws_ptr, byte_offset, IS_F64: tl.constexpr):
+    """A view of compute-dtype values in the workspace."""
+    if IS_F64:
+        return (ws_ptr + byte_offset).to(tl.pointer_type(tl.float64))
+    else:
+        return (ws_ptr + byte_offset).to(tl.pointer_type(tl.float32))
 
 
 @triton.jit
@@ -48,139 +114,123 @@ def row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, m
 
 
 @triton.jit
-def ws_ptr_of(ws_ptr, byte_offset, dtype: tl.constexpr):
-    """A typed view into the plan's byte workspace."""
-    return (ws_ptr + byte_offset).to(tl.pointer_type(dtype))
-
-
-@triton.jit
-def ct_ptr_of(ws_ptr, byte_offset, IS_F64: tl.constexpr):
-    """A view of compute-dtype values in the workspace."""
-    if IS_F64:
-        return (ws_ptr + byte_offset).to(tl.pointer_type(tl.float64))
-    else:
-        return (ws_ptr + byte_offset).to(tl.pointer_type(tl.float32))
+def chunk_tile(chunk, n_cols, CH: tl.constexpr, NG: tl.constexpr):
+    """Columns and in-row mask of a chunk's [CH / NG, NG] tile (tile column j = strided group j)."""
+    GS: tl.constexpr = CH // NG
+    col = chunk * CH + tl.arange(0, GS)[:, None] * NG + tl.arange(0, NG)[None, :]
+    return col, col < n_cols
 
 
 @launchable
-@triton.jit(do_not_specialize=["t_stride", "off_stats", "off_flags", "off_groups"])
-def _chunk_stats(ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, n_cols, n_chunks, n_groups,
-                 off_stats, off_flags, off_groups,
-                 T_TENSOR: tl.constexpr, IS_F64: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr,
-                 WITH_SOFTMAX: tl.constexpr, WITH_GROUPS: tl.constexpr):
+@triton.jit(do_not_specialize=["t_stride", "k_arg", "k_stride", "p_stride", "mp_stride", "rv_stride", "n_rows"])
+def _stats_merge(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, k_arg, k_stride, p_arg,
+                 p_stride, mp_arg, mp_stride, rv_arg, rv_stride, n_rows, n_cols,
+                 T_TENSOR: tl.constexpr, K_TENSOR: tl.constexpr, P_TENSOR: tl.constexpr, MP_TENSOR: tl.constexpr,
+                 RV_MODE: tl.constexpr, RV_TENSOR: tl.constexpr, IS_F64: tl.constexpr, CH: tl.constexpr,
+                 NG: tl.constexpr, CB: tl.constexpr, SELECT_BLOCK: tl.constexpr, WITH_SOFTMAX: tl.constexpr,
+                 WITH_GROUPS: tl.constexpr, WITH_ARGMAX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    GS: tl.constexpr = CH // NG
-    col = chunk * CH + tl.arange(0, GS)[:, None] * NG + tl.arange(0, NG)[None, :]
-    mask = col < n_cols
+    n_chunks = tl.cdiv(n_cols, CH)
+    o_tickets_b, o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci = ws_offsets(
+        n_rows, n_chunks, NG, IS_F64)
+    stats = ct_ptr_of(ws_ptr, o_stats, IS_F64)
+    flag_ptr = ws_ptr_of(ws_ptr, o_flags, tl.int32)
+    groups = ct_ptr_of(ws_ptr, o_groups, IS_F64)
+    t, k, p, mp, k_neg = row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, mp_arg,
+                                    mp_stride, T_TENSOR, K_TENSOR, P_TENSOR, MP_TENSOR)
+    inv_t = 1.0 / tl.where(t > 0, t, 1.0)
+
+    # This chunk's partials.
+    col, mask = chunk_tile(chunk, n_cols, CH, NG)
     x = tl.load(x_ptr + row * x_row_stride + col.to(tl.int64) * x_col_stride, mask=mask, other=float("-inf"))
     x = to_compute(x, IS_F64)
     is_nan = x != x
-    finite = (x > float("-inf")) & (x < float("inf"))
-    flags = tl.max(tl.max(is_nan.to(tl.int32), 1), 0) | (tl.max(tl.max(finite.to(tl.int32), 1), 0) << 1)
+    # One reduction for both flags: 2 if a NaN (the row is invalid whatever else), else 1 if a finite value.
+    flag = tl.max(tl.max(tl.where(is_nan, 2, ((x > float("-inf")) & (x < float("inf"))).to(tl.int32)), 1), 0)
     x = tl.where(is_nan, float("-inf"), x)
     group_max = tl.max(x, axis=0)
     m = tl.max(group_max, axis=0)
-    first = tl.min(tl.min(tl.where((x == m) & mask, col, INT32_MAX), 1), 0)
     slot = row * n_chunks + chunk
-    stats = ct_ptr_of(ws_ptr, off_stats, IS_F64)
-    flag_ptr = ws_ptr_of(ws_ptr, off_flags, tl.int32)
     tl.store(stats + 2 * slot, m)
-    tl.store(flag_ptr + 2 * slot, flags)
-    tl.store(flag_ptr + 2 * slot + 1, first)
+    tl.store(flag_ptr + 2 * slot, flag)
+    if WITH_ARGMAX:
+        tl.store(flag_ptr + 2 * slot + 1, tl.min(tl.min(tl.where((x == m) & mask, col, INT32_MAX), 1), 0))
     if WITH_SOFTMAX:
-        # Online-softmax partial (Milakov and Gimelshein, arXiv:1805.02867): sum relative to this
+        # Online-softmax partial (Milakov and Gimelshein, arXiv:1805.02867): relative to this
         # chunk's max; the merge rescales by exp((m_c - m) / T).
-        t = row_param(t_arg, row, t_stride, T_TENSOR, tl.float32)
-        inv_t = 1.0 / tl.where(t > 0, t, 1.0)
         z = tl.sum(tl.sum(rel_weight(x, m, inv_t), 1), 0)
         tl.store(stats + 2 * slot + 1, tl.where(m == float("-inf"), 0.0, z))
     if WITH_GROUPS:
-        groups = ct_ptr_of(ws_ptr, off_groups, IS_F64)
-        tl.store(groups + row * n_groups + chunk * NG + tl.arange(0, NG), group_max)
+        tl.store(groups + row * n_chunks * NG + chunk * NG + tl.arange(0, NG), group_max)
 
-
-@launchable
-@triton.jit(do_not_specialize=["t_stride", "k_arg", "k_stride", "p_stride", "mp_stride", "rv_stride",
-                               "off_stats", "off_flags", "off_groups", "off_rowf", "off_rowi", "off_count"])
-def _row_merge(out_ptr, ws_ptr, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, mp_arg, mp_stride,
-               rv_arg, rv_stride, n_cols, n_chunks, n_groups,
-               off_stats, off_flags, off_groups, off_rowf, off_rowi, off_count,
-               T_TENSOR: tl.constexpr, K_TENSOR: tl.constexpr, P_TENSOR: tl.constexpr, MP_TENSOR: tl.constexpr,
-               RV_MODE: tl.constexpr, RV_TENSOR: tl.constexpr, IS_F64: tl.constexpr,
-               CH: tl.constexpr, NG: tl.constexpr, CB: tl.constexpr, GB: tl.constexpr,
-               WITH_SOFTMAX: tl.constexpr, WITH_GROUPS: tl.constexpr, K_GATHER_MAX: tl.constexpr,
-               K_GATHER_DEFAULT: tl.constexpr, CAP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    # Last program of the row: every thread's stores, then one release-acquire ticket.
+    tl.debug_barrier()
+    tickets = ws_ptr_of(ws_ptr, 0, tl.int32)
+    if tl.atomic_add(tickets + row, 1, sem="acq_rel") != n_chunks - 1:
+        return
+    tl.store(tickets + row, 0)  # left at zero for the next call
     c = tl.arange(0, CB)
     cmask = c < n_chunks
-    slot = row * n_chunks + c
-    stats = ct_ptr_of(ws_ptr, off_stats, IS_F64)
-    flag_ptr = ws_ptr_of(ws_ptr, off_flags, tl.int32)
-    m_c = tl.load(stats + 2 * slot, mask=cmask, other=float("-inf"))
-    flags = tl.load(flag_ptr + 2 * slot, mask=cmask, other=0)
-    first = tl.load(flag_ptr + 2 * slot + 1, mask=cmask, other=INT32_MAX)
+    cslot = row * n_chunks + c
+    m_c = tl.load(stats + 2 * cslot, mask=cmask, other=float("-inf"), cache_modifier=".cg")
+    flags = tl.max(tl.load(flag_ptr + 2 * cslot, mask=cmask, other=0, cache_modifier=".cg"), axis=0)
     m = tl.max(m_c, axis=0)
-    greedy_token = tl.min(tl.where(cmask & (m_c == m), first, INT32_MAX), axis=0)
-
-    t, k, p, mp, k_neg = row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, mp_arg,
-                                    mp_stride, T_TENSOR, K_TENSOR, P_TENSOR, MP_TENSOR)
+    if WITH_ARGMAX:
+        first = tl.load(flag_ptr + 2 * cslot + 1, mask=cmask, other=INT32_MAX, cache_modifier=".cg")
+        greedy_token = tl.min(tl.where(cmask & (m_c == m), first, INT32_MAX), axis=0)
+    else:
+        greedy_token = flags * 0
     # Per-row tensor values are checked here, not on the host (that would cost a synchronisation):
     # a row whose parameter breaks its rule returns -1.
-    bad = (tl.max(flags & 1, axis=0) != 0) | (tl.max((flags >> 1) & 1, axis=0) == 0)
-    bad = bad | ((t >= 0) & (t < float("inf")) == 0) | k_neg | ((p > 0) & (p <= 1) == 0)
+    bad = (flags != 1) | ((t >= 0) & (t < float("inf")) == 0) | k_neg | ((p > 0) & (p <= 1) == 0)
     bad = bad | ((mp >= 0) & (mp <= 1) == 0)
     if RV_MODE:
         r = row_param(rv_arg, row, rv_stride, RV_TENSOR, tl.float32)
         bad = bad | ((r >= 0) & (r < 1) == 0) | (mp != 0)
     done = bad | (t == 0) | (k == 1)
-    rowi = ws_ptr_of(ws_ptr, off_rowi, tl.int64)
+    rowi = ws_ptr_of(ws_ptr, o_rowi, tl.int64)
     tl.store(rowi + 2 * row, done.to(tl.int64))
     if done:
         tl.store(out_ptr + row, tl.where(bad, -1, greedy_token).to(out_ptr.dtype.element_ty))
+        return
     if WITH_SOFTMAX:
-        inv_t = 1.0 / tl.where(t > 0, t, 1.0)
-        z_c = tl.load(stats + 2 * slot + 1, mask=cmask, other=0.0)
-        rowf = ct_ptr_of(ws_ptr, off_rowf, IS_F64)
+        z_c = tl.load(stats + 2 * cslot + 1, mask=cmask, other=0.0, cache_modifier=".cg")
+        rowf = ct_ptr_of(ws_ptr, o_rowf, IS_F64)
         tl.store(rowf + 2 * row, m)
         tl.store(rowf + 2 * row + 1, tl.sum(z_c * rel_weight(m_c, m, inv_t), axis=0))
+    tl.store(ws_ptr_of(ws_ptr, o_tickets_b, tl.int32) + row, 0)
     if WITH_GROUPS:
         # top_k within the gather's reach sets the bound; no top_k gathers the K_GATHER_DEFAULT
-        # largest (enough for a peaked nucleus); a larger top_k skips the gather (counter past CAP).
+        # largest (enough for a peaked nucleus); a larger top_k skips the gather (count past CAP).
         k_on = (k > 0) & (k < n_cols)
         k_bound = tl.where(k_on & (k <= K_GATHER_MAX), k, K_GATHER_DEFAULT)
-        g = tl.arange(0, GB)
-        gmask = (g < n_groups) & ((g // NG) * CH + g % NG < n_cols)
-        group_max = tl.load(ct_ptr_of(ws_ptr, off_groups, IS_F64) + row * n_groups + g, mask=gmask,
-                            other=float("-inf"))
-        keys = order_key(group_max, IS_F64)
-        bound = select_key_in_block(keys, keys, gmask, k_bound, False, 64 if IS_F64 else 32)
-        bound = tl.where(k_bound > tl.sum(gmask.to(tl.int32), axis=0), 0, bound)
+        # Empty groups of a partial last chunk hold -inf: they can only lower the bound.
+        n_groups = n_chunks * NG
+        bound = row_select_key(groups + row * n_groups, 1, n_groups, k_bound, m, inv_t, False, IS_F64, SELECT_BLOCK,
+                               BOUND_ROUNDS, True)
         tl.store(rowi + 2 * row + 1, key_bits_to_i64(bound, IS_F64))
-        count_ptr = ws_ptr_of(ws_ptr, off_count, tl.int32)
-        tl.store(count_ptr + row, tl.where(k_on & (k > K_GATHER_MAX), CAP + 1, 0))
+        tl.store(ws_ptr_of(ws_ptr, o_count, tl.int32) + row, tl.where(k_on & (k > K_GATHER_MAX), CAP + 1, 0))
 
 
-@launchable
-@triton.jit(do_not_specialize=["off_rowi", "off_count", "off_cx", "off_ci"])
-def _gather(ws_ptr, x_ptr, x_row_stride, x_col_stride, n_cols, off_rowi, off_count, off_cx, off_ci,
-            IS_F64: tl.constexpr, CH: tl.constexpr, CAP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    rowi = ws_ptr_of(ws_ptr, off_rowi, tl.int64)
-    count_ptr = ws_ptr_of(ws_ptr, off_count, tl.int32)
-    if (tl.load(rowi + 2 * row) != 0) | (tl.load(count_ptr + row) > CAP):
-        return
-    bound = key_from_i64(tl.load(rowi + 2 * row + 1), IS_F64)
-    col = chunk * CH + tl.arange(0, CH)
-    mask = col < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + col.to(tl.int64) * x_col_stride, mask=mask, other=float("-inf"))
-    x = to_compute(x, IS_F64)
-    sel = mask & (order_key(x, IS_F64) >= bound)
-    n_sel = tl.sum(sel.to(tl.int32), axis=0)
-    if n_sel > 0:
-        base = tl.atomic_add(count_ptr + row, n_sel)
-        pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        ok = sel & (pos < CAP)
-        tl.store(ct_ptr_of(ws_ptr, off_cx, IS_F64) + row * CAP + pos, x, mask=ok)
-        tl.store(ws_ptr_of(ws_ptr, off_ci, tl.int32) + row * CAP + pos, col, mask=ok)
+@triton.jit
+def gather_chunk(ws_ptr, x_ptr, x_row_stride, x_col_stride, row, chunk, n_cols, n_chunks, o_count, o_rowi,
+                 o_groups, o_cx, o_ci, IS_F64: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr):
+    """Append the chunk's tokens >= the row's bound to its candidate list (reading only the
+    groups whose max reaches the bound)."""
+    count_ptr = ws_ptr_of(ws_ptr, o_count, tl.int32) + row
+    if tl.load(count_ptr) <= CAP:
+        bound = key_from_i64(tl.load(ws_ptr_of(ws_ptr, o_rowi, tl.int64) + 2 * row + 1), IS_F64)
+        group_max = tl.load(ct_ptr_of(ws_ptr, o_groups, IS_F64) + row * n_chunks * NG + chunk * NG + tl.arange(0, NG))
+        hit = order_key(group_max, IS_F64) >= bound
+        if tl.max(hit.to(tl.int32), axis=0) > 0:
+            col, mask = chunk_tile(chunk, n_cols, CH, NG)
+            mask = mask & hit[None, :]
+            x = tl.load(x_ptr + row * x_row_stride + col.to(tl.int64) * x_col_stride, mask=mask,
+                        other=float("-inf"))
+            x = to_compute(x, IS_F64)
+            take = mask & (order_key(x, IS_F64) >= bound)
+            pos = tl.atomic_add(count_ptr + col.to(tl.int64) * 0, 1, mask=take)
+            take = take & (pos < CAP)
+            tl.store(ct_ptr_of(ws_ptr, o_cx, IS_F64) + row * CAP + pos, x, mask=take)
+            tl.store(ws_ptr_of(ws_ptr, o_ci, tl.int32) + row * CAP + pos, col, mask=take)

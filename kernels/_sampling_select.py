@@ -85,11 +85,15 @@ def _next_digit(acc, target):
 
 
 @triton.jit
-def select_key_in_block(keys, weights, valid, target, WEIGHTED: tl.constexpr, KEY_BITS: tl.constexpr):
-    """Largest key K with count (or weight sum) of valid keys >= K reaching ``target``, in registers."""
+def select_key_in_block(keys, weights, valid, target, WEIGHTED: tl.constexpr, KEY_BITS: tl.constexpr,
+                        ROUNDS: tl.constexpr):
+    """Largest key K with count (or weight sum) of valid keys >= K reaching ``target``, in registers.
+
+    With fewer than KEY_BITS / 4 rounds the low bits stay 0: a key at most the exact answer.
+    """
     digits = _digits(KEY_BITS)
     answer = tl.max(digits, axis=0) * 0
-    for r in tl.static_range(KEY_BITS // 4):
+    for r in tl.static_range(ROUNDS):
         cand = answer | (digits << (KEY_BITS - 4 * (r + 1)))
         ge = (keys[:, None] >= cand[None, :]) & valid[:, None]
         if WEIGHTED:
@@ -102,12 +106,16 @@ def select_key_in_block(keys, weights, valid, target, WEIGHTED: tl.constexpr, KE
 
 @triton.jit
 def row_select_key(x_ptr, x_stride, n, target, m, inv_t, WEIGHTED: tl.constexpr, IS_F64: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """``select_key_in_block`` over a whole row of ``n`` values, one pass per round."""
+                   BLOCK: tl.constexpr, ROUNDS: tl.constexpr = 0, FROM_WORKSPACE: tl.constexpr = False):
+    """``select_key_in_block`` over ``n`` values in memory, one pass per round (all rounds if 0).
+
+    ``FROM_WORKSPACE``: the values were written by other programs of this launch (read past L1).
+    """
     KEY_BITS: tl.constexpr = 64 if IS_F64 else 32
+    N_ROUNDS: tl.constexpr = KEY_BITS // 4 if ROUNDS == 0 else ROUNDS
     digits = _digits(KEY_BITS)
     answer = tl.max(digits, axis=0) * 0
-    for r in tl.static_range(KEY_BITS // 4):
+    for r in tl.static_range(N_ROUNDS):
         cand = answer | (digits << (KEY_BITS - 4 * (r + 1)))
         if WEIGHTED:
             acc = tl.zeros([16], m.dtype)
@@ -116,7 +124,11 @@ def row_select_key(x_ptr, x_stride, n, target, m, inv_t, WEIGHTED: tl.constexpr,
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < n
-            x = to_compute(tl.load(x_ptr + offs.to(tl.int64) * x_stride, mask=mask, other=float("-inf")), IS_F64)
+            if FROM_WORKSPACE:
+                x = tl.load(x_ptr + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+            else:
+                x = tl.load(x_ptr + offs.to(tl.int64) * x_stride, mask=mask, other=float("-inf"))
+            x = to_compute(x, IS_F64)
             ge = (order_key(x, IS_F64)[:, None] >= cand[None, :]) & mask[:, None]
             if WEIGHTED:
                 acc += tl.sum(tl.where(ge, rel_weight(x, m, inv_t)[:, None], 0.0), axis=0)

@@ -1,7 +1,9 @@
 """sample: temperature / top-k / top-p / min-p sampling and greedy decoding of ``logits [B, V]``.
 
-The Triton path is four kernels (``_sampling_chunks.py``: statistics, merge, gather;
-``_sampling_finish.py``: the draw), built around two ideas:
+The Triton path is two launches, each over (rows x chunks of the vocabulary) with the row's
+last program finishing it: statistics and merge (``_sampling_chunks.py``), then candidate
+gather and draw (``_sampling_finish.py``); greedy is the first alone, and ``random_val`` mode
+(``_sampling_random_val.py``) replaces the second. Two ideas:
 
 - The draw is the exponential race ``argmax_i p_i / E_i`` over the kept tokens, with ``E_i`` a
   pure function of ``(seed, step, i)`` (``_sampling_noise.py``): no sort, no cumulative sum,
@@ -27,9 +29,10 @@ import triton
 
 from ._backend import resolve_backend
 from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_same_device, plan_cache
-from ._sampling_chunks import _chunk_stats, _gather, _row_merge
-from ._sampling_finish import _finish, _random_val
+from ._sampling_chunks import _stats_merge, workspace_layout
+from ._sampling_finish import _gather_finish
 from ._sampling_noise import split_u64
+from ._sampling_random_val import _random_val
 from .reference import sample as reference
 
 FILTER_ORDERS = ("top_k_first", "joint")
@@ -37,16 +40,11 @@ OUT_DTYPES = (torch.int32, torch.int64)
 INT_DTYPES = (torch.int32, torch.int64)
 PARAM_DTYPES = {"temperature": FLOAT_DTYPES, "top_k": INT_DTYPES, "top_p": FLOAT_DTYPES, "min_p": FLOAT_DTYPES,
                 "seed": INT_DTYPES, "step": INT_DTYPES, "random_val": FLOAT_DTYPES}
-
-# Candidate list slots per row. A top_k up to GATHER_TOP_K_MAX (or, without top_k, the
-# GATHER_DEFAULT_K largest logits) sets the gather bound; on random logits the list then holds
-# about k + k^2 / (2 * groups) tokens (k tokens falling in distinct groups, plus collisions),
-# under 140 for k = 128 and 2048 groups: 256 slots leave room for ties.
-CANDIDATE_SLOTS = 256
+# A top_k above this skips the candidate gather (kernels/_sampling_chunks.py: K_GATHER_MAX).
 GATHER_TOP_K_MAX = 128
-GATHER_DEFAULT_K = 128
-# Group maxima per row, at most: the merge selects among them in one block of registers.
-MAX_GROUPS = 2048
+# Group maxima per row, at most: the merge selects among them in one block of registers, and
+# 1024 groups keep collisions among the top 128 logits to about 8 (k^2 / (2 * groups)).
+MAX_GROUPS = 1024
 
 
 def chunk_settings(n_cols: int) -> tuple[int, int, int]:
@@ -65,25 +63,13 @@ def chunk_settings(n_cols: int) -> tuple[int, int, int]:
 
 
 def finish_settings(n_cols: int) -> tuple[int, int, int]:
-    """``(BLOCK, SELECT_BLOCK, num_warps)`` of the per-row kernels' passes over a whole row.
+    """``(BLOCK, SELECT_BLOCK, num_warps)`` of the per-row passes over a whole row.
 
-    A walk pass keeps a running sum and best per lane (no reduction per block): 2048 lanes over
-    8 warps, 8 a thread. A selection round compares each value with 16 digits, a [block, 16]
-    tile: 256 rows of it keep the tile at 16 values a thread.
+    A walk pass keeps a running sum and best per lane (no reduction per block): 2048 lanes, 16
+    a thread at 4 warps. A selection round compares each value with 16 digits, a [block, 16]
+    tile: 256 rows of it keep the tile at 32 values a thread.
     """
-    return min(2048, triton.next_power_of_2(max(n_cols, 16))), 256, 8
-
-
-def _layout(n_rows: int, n_chunks: int, n_groups: int, ct_size: int) -> tuple[dict[str, int], int]:
-    """Byte offsets of the workspace's arrays (16-byte aligned) and its total size."""
-    sizes = {"stats": 2 * n_rows * n_chunks * ct_size, "flags": 2 * n_rows * n_chunks * 4,
-             "groups": n_rows * n_groups * ct_size, "rowf": 2 * n_rows * ct_size, "rowi": 2 * n_rows * 8,
-             "count": n_rows * 4, "cx": n_rows * CANDIDATE_SLOTS * ct_size, "ci": n_rows * CANDIDATE_SLOTS * 4}
-    offsets, total = {}, 0
-    for name, size in sizes.items():
-        offsets[name] = total
-        total += (size + 15) // 16 * 16
-    return offsets, total
+    return min(2048, triton.next_power_of_2(max(n_cols, 16))), 256, 4
 
 
 class SamplePlan:
@@ -96,8 +82,10 @@ class SamplePlan:
         plan = SamplePlan(TensorSpec.of(logits), top_k=TensorSpec.of(ks))
         plan(logits, out, temperature=0.8, top_k=ks, top_p=0.9, seed=7, step=3)
 
-    ``workspace_size`` bytes of scratch are allocated per call unless ``workspace`` (a uint8
-    tensor on the device, at least that large) is passed; calls sharing one must be stream-ordered.
+    ``workspace_size`` bytes of scratch are allocated (zero-filled) per call unless ``workspace``
+    is passed: a zero-filled uint8 tensor on the device, at least that large. The kernels leave
+    its counters at zero, so it can serve call after call; calls sharing one must be
+    stream-ordered.
     """
 
     def __init__(self, logits: TensorSpec, *, temperature: TensorSpec | None = None, top_k: TensorSpec | None = None,
@@ -131,13 +119,10 @@ class SamplePlan:
         self.n_chunks = triton.cdiv(self.n_cols, self.chunk)
         self.n_groups = self.n_chunks * self.groups
         self.block, self.select_block, self.finish_warps = finish_settings(self.n_cols)
-        ct_size = 8 if self.is_f64 else 4
-        self.offsets, self.workspace_size = _layout(self.n_rows, self.n_chunks, self.n_groups, ct_size)
-        if self.backend == "torch":
-            self.workspace_size = 0
-        else:
-            self.kernels = [k.for_backend(self.backend) for k in (_chunk_stats, _row_merge, _gather, _finish,
-                                                                   _random_val)]
+        self.workspace_size = 0
+        if self.backend != "torch":
+            self.workspace_size = workspace_layout(self.n_rows, self.n_chunks, self.n_groups, 8 if self.is_f64 else 4)
+            self.kernels = [k.for_backend(self.backend) for k in (_stats_merge, _gather_finish, _random_val)]
 
     def __call__(self, logits: torch.Tensor, out: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
                  seed=0, step=0, random_val=None, workspace: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,55 +130,44 @@ class SamplePlan:
             return out
         if self.backend == "torch":
             return self._reference(logits, out, temperature, top_k, top_p, min_p, seed, step, random_val)
-        stats, merge, gather_kernel, finish, random_val_kernel = self.kernels
-        ws = workspace if workspace is not None else torch.empty(self.workspace_size, dtype=torch.uint8,
-                                                                   device=logits.device)
-        o = self.offsets
-        n_rows, n_cols = self.n_rows, self.n_cols
+        stats_merge, gather_finish, random_val_kernel = self.kernels
+        ws = torch.zeros(self.workspace_size, dtype=torch.uint8, device=logits.device) if workspace is None \
+            else workspace
+        n_rows, n_cols, per_row = self.n_rows, self.n_cols, self.per_row
         t = _arg(temperature, float)
         k = _arg(top_k, lambda v: min(int(v), n_cols))
         p, mp = _arg(top_p, float), _arg(min_p, float)
         rv = _arg(random_val if self.random_val_mode else 0.0, float)
-        greedy = (not self.per_row["temperature"] and temperature == 0) or (not self.per_row["top_k"] and top_k == 1)
+        greedy = (not per_row["temperature"] and temperature == 0) or (not per_row["top_k"] and top_k == 1)
         if greedy:
             gather = with_softmax = False
         elif self.random_val_mode:
             gather, with_softmax = False, True
         else:
             with_softmax = True
-            k_scalar = not self.per_row["top_k"]
-            pure_temperature = (k_scalar and (top_k == 0 or top_k >= n_cols) and not self.per_row["top_p"]
-                                and top_p >= 1 and not self.per_row["min_p"] and min_p == 0)
+            k_scalar = not per_row["top_k"]
+            pure_temperature = (k_scalar and (top_k == 0 or top_k >= n_cols) and not per_row["top_p"]
+                                and top_p >= 1 and not per_row["min_p"] and min_p == 0)
             gather = not (pure_temperature or (k_scalar and GATHER_TOP_K_MAX < top_k < n_cols))
-        flags = dict(T_TENSOR=self.per_row["temperature"], IS_F64=self.is_f64)
+        flags = dict(T_TENSOR=per_row["temperature"], K_TENSOR=per_row["top_k"], P_TENSOR=per_row["top_p"],
+                     MP_TENSOR=per_row["min_p"], IS_F64=self.is_f64, CH=self.chunk, NG=self.groups)
         rs, cs = logits.stride()
-        grid2 = (n_rows, self.n_chunks)
-        stats[grid2](ws, logits, rs, cs, *t, n_cols, self.n_chunks, self.n_groups, o["stats"], o["flags"],
-                     o["groups"], CH=self.chunk, NG=self.groups, WITH_SOFTMAX=with_softmax, WITH_GROUPS=gather,
-                     num_warps=self.warps, **flags)
-        per_row = dict(K_TENSOR=self.per_row["top_k"], P_TENSOR=self.per_row["top_p"],
-                       MP_TENSOR=self.per_row["min_p"], **flags)
-        merge[(n_rows,)](out, ws, *t, *k, *p, *mp, *rv, n_cols, self.n_chunks, self.n_groups, o["stats"], o["flags"],
-                         o["groups"], o["rowf"], o["rowi"], o["count"], RV_MODE=self.random_val_mode,
-                         RV_TENSOR=self.per_row["random_val"], CH=self.chunk, NG=self.groups,
-                         CB=triton.next_power_of_2(self.n_chunks), GB=triton.next_power_of_2(self.n_groups),
-                         WITH_SOFTMAX=with_softmax, WITH_GROUPS=gather, K_GATHER_MAX=GATHER_TOP_K_MAX,
-                         K_GATHER_DEFAULT=GATHER_DEFAULT_K, CAP=CANDIDATE_SLOTS, num_warps=8, **per_row)
+        stats_merge[(n_rows, self.n_chunks)](
+            out, ws, logits, rs, cs, *t, *k, *p, *mp, *rv, n_rows, n_cols, RV_MODE=self.random_val_mode,
+            RV_TENSOR=per_row["random_val"], CB=triton.next_power_of_2(self.n_chunks),
+            SELECT_BLOCK=self.select_block, WITH_SOFTMAX=with_softmax, WITH_GROUPS=gather,
+            WITH_ARGMAX=greedy or per_row["temperature"] or per_row["top_k"], num_warps=self.warps, **flags)
         if greedy:
             return out
         if self.random_val_mode:
-            random_val_kernel[(n_rows,)](out, ws, logits, rs, cs, *t, *k, *p, *mp, *rv, n_cols, o["rowf"], o["rowi"],
-                                         RV_TENSOR=self.per_row["random_val"], BLOCK=self.block,
-                                         SELECT_BLOCK=self.select_block, num_warps=self.finish_warps, **per_row)
+            random_val_kernel[(n_rows,)](out, ws, logits, rs, cs, *t, *k, *p, *mp, *rv, n_rows, n_cols,
+                                         RV_TENSOR=per_row["random_val"], BLOCK=self.block,
+                                         SELECT_BLOCK=self.select_block, num_warps=self.finish_warps, **flags)
             return out
-        if gather:
-            gather_kernel[grid2](ws, logits, rs, cs, n_cols, o["rowi"], o["count"], o["cx"], o["ci"],
-                                   IS_F64=self.is_f64, CH=self.chunk, CAP=CANDIDATE_SLOTS, num_warps=self.warps)
-        finish[(n_rows,)](out, ws, logits, rs, cs, *t, *k, *p, *mp, *_u64_arg(seed), *_u64_arg(step), n_cols,
-                          o["rowf"], o["rowi"], o["count"], o["cx"], o["ci"], SEED_TENSOR=self.per_row["seed"],
-                          STEP_TENSOR=self.per_row["step"], TOP_K_FIRST=self.filter_order == "top_k_first",
-                          GATHER=gather, CAP=CANDIDATE_SLOTS, BLOCK=self.block, SELECT_BLOCK=self.select_block,
-                          num_warps=self.finish_warps, **per_row)
+        gather_finish[(n_rows, self.n_chunks if gather else 1)](
+            out, ws, logits, rs, cs, *t, *k, *p, *mp, *_u64_arg(seed), *_u64_arg(step), n_rows, n_cols,
+            SEED_TENSOR=per_row["seed"], STEP_TENSOR=per_row["step"], TOP_K_FIRST=self.filter_order == "top_k_first",
+            GATHER=gather, BLOCK=self.block, SELECT_BLOCK=self.select_block, num_warps=self.finish_warps, **flags)
         return out
 
     def _reference(self, logits, out, temperature, top_k, top_p, min_p, seed, step, random_val):
