@@ -1,4 +1,4 @@
-"""The first launch of ``sample`` (statistics and merge) and the candidate gather of the second.
+"""The first launch of ``sample``: per-chunk statistics, then the per-row merge.
 
 A row of ``n_cols`` logits is cut into chunks of ``CH`` columns so that one row still spreads
 over many programs (a single row is the latency case). A chunk is loaded as a ``[CH / NG, NG]``
@@ -13,9 +13,9 @@ of the k-th largest logit, the k-th largest *group max*: k group maxima are k di
 >= L, so the k-th largest value is >= L. Strided groups put a cluster of large logits into
 different groups, which keeps the bound tight.
 
-``gather_chunk`` (in the second launch): every token >= L into the row's candidate list of
-``CAP`` slots, a slot per token from an atomic counter. Only the groups whose max reaches L are
-read again. The list is then complete above L: the order of the slots does not matter.
+The merge also marks the rows whose candidate list may not decide the draw (no top_k, and the
+group maxima at or above L do not already carry top_p of the mass, nor does min_p reject L):
+for those the gather launch computes the first pass of the draw in parallel (ROW_STATE_PASS1).
 
 The workspace is one byte buffer; ``workspace_layout`` is its map, computed the same way here
 and in the plan.
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable
-from ._sampling_select import key_bits_to_i64, key_from_i64, order_key, rel_weight, row_select_key, to_compute
+from ._sampling_select import key_bits_to_i64, key_from_i64, key_value, order_key, rel_weight, row_select_key, to_compute
 
 INT32_MAX = tl.constexpr(2147483647)
 # Candidate slots per row. A top_k up to K_GATHER_MAX (or, without top_k, the K_GATHER_DEFAULT
@@ -40,16 +40,18 @@ K_GATHER_DEFAULT = tl.constexpr(128)
 # The bound needs only be a lower bound: 5 rounds of 4 bits settle sign, exponent and 11
 # mantissa bits of the k-th group max (0.05% of its value), in 5 of the 8 rounds.
 BOUND_ROUNDS = tl.constexpr(5)
-ROW_STATE_SAMPLE = tl.constexpr(0)
+ROW_STATE_SAMPLE = tl.constexpr(0)  # drawn by the finish launch
+ROW_STATE_DONE = tl.constexpr(1)  # answered by the merge (greedy, or -1)
+ROW_STATE_PASS1 = tl.constexpr(2)  # as SAMPLE, and the gather launch also runs the first pass
 
 
 def workspace_layout(n_rows: int, n_chunks: int, n_groups: int, ct_size: int) -> int:
     """Total bytes of the workspace (the same arithmetic as ``ws_offsets``)."""
     def align(n):
         return (n + 15) // 16 * 16
-    sizes = (4 * n_rows, 4 * n_rows, 4 * n_rows, 16 * n_rows, 2 * ct_size * n_rows, 8 * n_rows * n_chunks,
+    sizes = (4 * n_rows, 4 * n_rows, 16 * n_rows, 2 * ct_size * n_rows, 8 * n_rows * n_chunks,
              2 * ct_size * n_rows * n_chunks, ct_size * n_rows * n_groups, ct_size * n_rows * CAP.value,
-             4 * n_rows * CAP.value)
+             4 * n_rows * CAP.value, ct_size * n_rows * n_chunks, 16 * n_rows * n_chunks)
     return sum(align(s) for s in sizes)
 
 
@@ -60,13 +62,12 @@ def _align16(n):
 
 @triton.jit
 def ws_offsets(n_rows, n_chunks, NG: tl.constexpr, IS_F64: tl.constexpr):
-    """Byte offsets of: kernel-B tickets, candidate counts, row ints (state, bound), row floats
+    """Byte offsets of: candidate counts, row ints (state, bound), row floats
     (max, sum), chunk flags (flag, first), chunk stats (max, sum), group maxima, candidate values,
-    candidate indices. Kernel-A tickets sit at offset 0."""
+    candidate indices, first-pass scores, first-pass (index, key). The merge tickets sit at 0."""
     CT: tl.constexpr = 8 if IS_F64 else 4
     rows = tl.cast(n_rows, tl.int64)
-    o_tickets_b = _align16(4 * rows)
-    o_count = o_tickets_b + _align16(4 * rows)
+    o_count = _align16(4 * rows)
     o_rowi = o_count + _align16(4 * rows)
     o_rowf = o_rowi + _align16(16 * rows)
     o_flags = o_rowf + _align16(2 * CT * rows)
@@ -74,7 +75,9 @@ def ws_offsets(n_rows, n_chunks, NG: tl.constexpr, IS_F64: tl.constexpr):
     o_groups = o_stats + _align16(2 * CT * rows * n_chunks)
     o_cx = o_groups + _align16(CT * rows * n_chunks * NG)
     o_ci = o_cx + _align16(CT * rows * CAP)
-    return o_tickets_b, o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci
+    o_p1s = o_ci + _align16(4 * rows * CAP)
+    o_p1i = o_p1s + _align16(CT * rows * n_chunks)
+    return o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i
 
 
 @triton.jit
@@ -132,7 +135,7 @@ def _stats_merge(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_st
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     n_chunks = tl.cdiv(n_cols, CH)
-    o_tickets_b, o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci = ws_offsets(
+    o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i = ws_offsets(
         n_rows, n_chunks, NG, IS_F64)
     stats = ct_ptr_of(ws_ptr, o_stats, IS_F64)
     flag_ptr = ws_ptr_of(ws_ptr, o_flags, tl.int32)
@@ -190,47 +193,39 @@ def _stats_merge(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_st
         bad = bad | ((r >= 0) & (r < 1) == 0) | (mp != 0)
     done = bad | (t == 0) | (k == 1)
     rowi = ws_ptr_of(ws_ptr, o_rowi, tl.int64)
-    tl.store(rowi + 2 * row, done.to(tl.int64))
     if done:
+        tl.store(rowi + 2 * row, ROW_STATE_DONE)
         tl.store(out_ptr + row, tl.where(bad, -1, greedy_token).to(out_ptr.dtype.element_ty))
         return
+    z = tl.full([], 0.0, m.dtype)
     if WITH_SOFTMAX:
         z_c = tl.load(stats + 2 * cslot + 1, mask=cmask, other=0.0, cache_modifier=".cg")
+        z = tl.sum(z_c * rel_weight(m_c, m, inv_t), axis=0)
         rowf = ct_ptr_of(ws_ptr, o_rowf, IS_F64)
         tl.store(rowf + 2 * row, m)
-        tl.store(rowf + 2 * row + 1, tl.sum(z_c * rel_weight(m_c, m, inv_t), axis=0))
-    tl.store(ws_ptr_of(ws_ptr, o_tickets_b, tl.int32) + row, 0)
+        tl.store(rowf + 2 * row + 1, z)
+    k_on = (k > 0) & (k < n_cols)
+    # Without top_k the candidates decide the row only if their mass reaches top_p or min_p
+    # rejects the bound; the group maxima at or above it are a lower bound of their mass.
+    sure = k_on
     if WITH_GROUPS:
         # top_k within the gather's reach sets the bound; no top_k gathers the K_GATHER_DEFAULT
         # largest (enough for a peaked nucleus); a larger top_k skips the gather (count past CAP).
-        k_on = (k > 0) & (k < n_cols)
-        k_bound = tl.where(k_on & (k <= K_GATHER_MAX), k, K_GATHER_DEFAULT)
         # Empty groups of a partial last chunk hold -inf: they can only lower the bound.
+        k_bound = tl.where(k_on & (k <= K_GATHER_MAX), k, K_GATHER_DEFAULT)
         n_groups = n_chunks * NG
-        bound = row_select_key(groups + row * n_groups, 1, n_groups, k_bound, m, inv_t, False, IS_F64, SELECT_BLOCK,
+        group_row = groups + row * n_groups
+        bound = row_select_key(group_row, 1, n_groups, k_bound, m, inv_t, False, IS_F64, SELECT_BLOCK,
                                BOUND_ROUNDS, True)
+        bound = tl.where(k_bound > n_groups, 0, bound)
         tl.store(rowi + 2 * row + 1, key_bits_to_i64(bound, IS_F64))
         tl.store(ws_ptr_of(ws_ptr, o_count, tl.int32) + row, tl.where(k_on & (k > K_GATHER_MAX), CAP + 1, 0))
-
-
-@triton.jit
-def gather_chunk(ws_ptr, x_ptr, x_row_stride, x_col_stride, row, chunk, n_cols, n_chunks, o_count, o_rowi,
-                 o_groups, o_cx, o_ci, IS_F64: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr):
-    """Append the chunk's tokens >= the row's bound to its candidate list (reading only the
-    groups whose max reaches the bound)."""
-    count_ptr = ws_ptr_of(ws_ptr, o_count, tl.int32) + row
-    if tl.load(count_ptr) <= CAP:
-        bound = key_from_i64(tl.load(ws_ptr_of(ws_ptr, o_rowi, tl.int64) + 2 * row + 1), IS_F64)
-        group_max = tl.load(ct_ptr_of(ws_ptr, o_groups, IS_F64) + row * n_chunks * NG + chunk * NG + tl.arange(0, NG))
-        hit = order_key(group_max, IS_F64) >= bound
-        if tl.max(hit.to(tl.int32), axis=0) > 0:
-            col, mask = chunk_tile(chunk, n_cols, CH, NG)
-            mask = mask & hit[None, :]
-            x = tl.load(x_ptr + row * x_row_stride + col.to(tl.int64) * x_col_stride, mask=mask,
-                        other=float("-inf"))
-            x = to_compute(x, IS_F64)
-            take = mask & (order_key(x, IS_F64) >= bound)
-            pos = tl.atomic_add(count_ptr + col.to(tl.int64) * 0, 1, mask=take)
-            take = take & (pos < CAP)
-            tl.store(ct_ptr_of(ws_ptr, o_cx, IS_F64) + row * CAP + pos, x, mask=take)
-            tl.store(ws_ptr_of(ws_ptr, o_ci, tl.int32) + row * CAP + pos, col, mask=take)
+        if k_on == 0:
+            lower = tl.zeros([SELECT_BLOCK], m.dtype)
+            for start in range(0, n_groups, SELECT_BLOCK):
+                g = start + tl.arange(0, SELECT_BLOCK)
+                gm = tl.load(group_row + g, mask=g < n_groups, other=float("-inf"), cache_modifier=".cg")
+                lower += tl.where(order_key(gm, IS_F64) >= bound, rel_weight(gm, m, inv_t), 0.0)
+            w_bound = rel_weight(key_value(bound, IS_F64), m, inv_t)
+            sure = ((p < 1) & (tl.sum(lower, axis=0) >= p * z)) | ((mp > 0) & (w_bound < mp))
+    tl.store(rowi + 2 * row, tl.where(sure, ROW_STATE_SAMPLE, ROW_STATE_PASS1).to(tl.int64))

@@ -1,4 +1,4 @@
-"""The second launch of ``sample``: the candidate gather, then the filters and the draw.
+"""The last launch of ``sample``: the filters and the draw, one program per row.
 
 Every filter keeps the tokens at or above a value (ties with the boundary included), so the
 kept set is ``{key >= t_k} & {key >= t_p} & {w >= min_p}`` where ``w = p / max(p)``. The draw
@@ -12,8 +12,8 @@ A check costs a pass of sums only; a rejection (probability about 1 - top_p) a p
 noise. The passes run over the row's candidate list when that list provably holds every token
 the answer depends on (see ``_finish_row``), else over the whole row.
 
-``_gather_finish`` (grid rows x chunks): each program gathers its chunk's candidates
-(``gather_chunk``); the row's last program (atomic ticket) then finishes the row alone.
+For rows the merge marked ROW_STATE_PASS1 the first pass (the winner over every token) was
+run in parallel by the gather launch: the row's program only merges the chunks' winners.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable
-from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_SAMPLE, ct_ptr_of, gather_chunk, row_params, ws_offsets,
-                               ws_ptr_of)
+from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_DONE, ROW_STATE_PASS1, ct_ptr_of, key_from_i64, row_params,
+                               ws_offsets, ws_ptr_of)
 from ._sampling_noise import exponential, row_keys, u64_halves, uniform_bits
-from ._sampling_select import (key_from_i64, key_value, order_key, rel_weight, row_select_key,
-                               select_key_in_block, to_compute)
+from ._sampling_select import key_value, order_key, rel_weight, row_select_key, select_key_in_block, to_compute
 
 
 @triton.jit
@@ -88,9 +87,9 @@ def _source_pass(use_cand, cx_ptr, ci_ptr, count, x_row_ptr, x_col_stride, n_col
 
 
 @triton.jit
-def _finish_row(out_ptr, ws_ptr, x_row, x_col_stride, row, n_cols, t, k, p, min_p, k0, k1, o_count, o_rowi, o_rowf,
-                o_cx, o_ci, IS_F64: tl.constexpr, TOP_K_FIRST: tl.constexpr, GATHER: tl.constexpr,
-                BLOCK: tl.constexpr, SELECT_BLOCK: tl.constexpr):
+def _finish_row(out_ptr, ws_ptr, x_row, x_col_stride, row, n_cols, n_chunks, pass1, t, k, p, min_p, k0, k1, o_count,
+                o_rowi, o_rowf, o_cx, o_ci, o_p1s, o_p1i, IS_F64: tl.constexpr, TOP_K_FIRST: tl.constexpr,
+                GATHER: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr, SELECT_BLOCK: tl.constexpr):
     rowf = ct_ptr_of(ws_ptr, o_rowf, IS_F64)
     m = tl.load(rowf + 2 * row)
     z = tl.load(rowf + 2 * row + 1)
@@ -122,7 +121,18 @@ def _finish_row(out_ptr, ws_ptr, x_row, x_col_stride, row, n_cols, t, k, p, min_
                                               CAP)
         w_bound = rel_weight(key_value(bound, IS_F64), m, inv_t)
         use_cand = k_on | (count == n_cols) | ((p < 1) & (mass >= p * z)) | ((min_p > 0) & (w_bound < min_p))
-    if use_cand == 0:
+    if (use_cand == 0) & pass1:
+        # The chunks' winners (lowest index on equal scores); no top_k here, so t_k = 0.
+        c = tl.arange(0, CB)
+        slot = row * n_chunks + c
+        cmask = c < n_chunks
+        score = tl.load(ct_ptr_of(ws_ptr, o_p1s, IS_F64) + slot, mask=cmask, other=-2.0)
+        index = tl.load(ws_ptr_of(ws_ptr, o_p1i, tl.int64) + 2 * slot, mask=cmask, other=INT32_MAX)
+        keys = key_from_i64(tl.load(ws_ptr_of(ws_ptr, o_p1i, tl.int64) + 2 * slot + 1, mask=cmask, other=0), IS_F64)
+        top = tl.max(score, axis=0)
+        winner = tl.min(tl.where(score == top, index, INT32_MAX), axis=0).to(tl.int32)
+        winner_key = tl.max(tl.where(index == winner, keys, keys * 0), axis=0)
+    if (use_cand == 0) & (pass1 == 0):
         if k_on:
             t_k = row_select_key(x_row, x_col_stride, n_cols, k, m, inv_t, False, IS_F64, SELECT_BLOCK)
         mass, winner, winner_key = _walk_pass(x_row, x_col_stride, ci, n_cols, t_k, m, inv_t, min_p, k0, k1, True,
@@ -146,33 +156,24 @@ def _finish_row(out_ptr, ws_ptr, x_row, x_col_stride, row, n_cols, t, k, p, min_
 @launchable
 @triton.jit(do_not_specialize=["t_stride", "k_arg", "k_stride", "p_stride", "mp_stride", "seed_arg", "seed_hi",
                                "seed_stride", "step_arg", "step_hi", "step_stride", "n_rows"])
-def _gather_finish(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, k_arg, k_stride, p_arg,
-                   p_stride, mp_arg, mp_stride, seed_arg, seed_hi, seed_stride, step_arg, step_hi, step_stride,
-                   n_rows, n_cols,
-                   T_TENSOR: tl.constexpr, K_TENSOR: tl.constexpr, P_TENSOR: tl.constexpr, MP_TENSOR: tl.constexpr,
-                   SEED_TENSOR: tl.constexpr, STEP_TENSOR: tl.constexpr, IS_F64: tl.constexpr,
-                   TOP_K_FIRST: tl.constexpr, GATHER: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr,
-                   BLOCK: tl.constexpr, SELECT_BLOCK: tl.constexpr):
+def _finish(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride,
+            mp_arg, mp_stride, seed_arg, seed_hi, seed_stride, step_arg, step_hi, step_stride, n_rows, n_cols,
+            T_TENSOR: tl.constexpr, K_TENSOR: tl.constexpr, P_TENSOR: tl.constexpr, MP_TENSOR: tl.constexpr,
+            SEED_TENSOR: tl.constexpr, STEP_TENSOR: tl.constexpr, IS_F64: tl.constexpr, TOP_K_FIRST: tl.constexpr,
+            GATHER: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr,
+            SELECT_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
     n_chunks = tl.cdiv(n_cols, CH)
-    o_tickets_b, o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci = ws_offsets(
+    o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i = ws_offsets(
         n_rows, n_chunks, NG, IS_F64)
-    if tl.load(ws_ptr_of(ws_ptr, o_rowi, tl.int64) + 2 * row) != ROW_STATE_SAMPLE:
+    state = tl.load(ws_ptr_of(ws_ptr, o_rowi, tl.int64) + 2 * row)
+    if state == ROW_STATE_DONE:
         return
-    if GATHER:
-        gather_chunk(ws_ptr, x_ptr, x_row_stride, x_col_stride, row, chunk, n_cols, n_chunks, o_count, o_rowi,
-                     o_groups, o_cx, o_ci, IS_F64, CH, NG)
-    # The row's last program finishes it (see _sampling_chunks: last-block pattern).
-    tl.debug_barrier()
-    tickets = ws_ptr_of(ws_ptr, o_tickets_b, tl.int32)
-    if tl.atomic_add(tickets + row, 1, sem="acq_rel") != tl.num_programs(1) - 1:
-        return
-    tl.store(tickets + row, 0)
     t, k, p, min_p, k_neg = row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, mp_arg,
                                        mp_stride, T_TENSOR, K_TENSOR, P_TENSOR, MP_TENSOR)
     s_lo, s_hi = u64_halves(seed_arg, seed_hi, row, seed_stride, SEED_TENSOR)
     c_lo, c_hi = u64_halves(step_arg, step_hi, row, step_stride, STEP_TENSOR)
     k0, k1 = row_keys(s_lo, s_hi, c_lo, c_hi)
-    _finish_row(out_ptr, ws_ptr, x_ptr + row * x_row_stride, x_col_stride, row, n_cols, t, k, p, min_p, k0, k1,
-                o_count, o_rowi, o_rowf, o_cx, o_ci, IS_F64, TOP_K_FIRST, GATHER, BLOCK, SELECT_BLOCK)
+    _finish_row(out_ptr, ws_ptr, x_ptr + row * x_row_stride, x_col_stride, row, n_cols, n_chunks,
+                state == ROW_STATE_PASS1, t, k, p, min_p, k0, k1, o_count, o_rowi, o_rowf, o_cx, o_ci, o_p1s, o_p1i,
+                IS_F64, TOP_K_FIRST, GATHER, CB, BLOCK, SELECT_BLOCK)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable
-from ._sampling_chunks import INT32_MAX, ROW_STATE_SAMPLE, ct_ptr_of, row_param, row_params, ws_offsets, ws_ptr_of
+from ._sampling_chunks import INT32_MAX, ROW_STATE_DONE, ct_ptr_of, row_param, row_params, ws_offsets, ws_ptr_of
 from ._sampling_select import key_value, order_key, rel_weight, row_select_key, to_compute
 
 
@@ -65,9 +65,9 @@ def _random_val(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_str
                 RV_TENSOR: tl.constexpr, IS_F64: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr,
                 BLOCK: tl.constexpr, SELECT_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    o_tickets_b, o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci = ws_offsets(
+    o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i = ws_offsets(
         n_rows, tl.cdiv(n_cols, CH), NG, IS_F64)
-    if tl.load(ws_ptr_of(ws_ptr, o_rowi, tl.int64) + 2 * row) != ROW_STATE_SAMPLE:
+    if tl.load(ws_ptr_of(ws_ptr, o_rowi, tl.int64) + 2 * row) == ROW_STATE_DONE:
         return
     rowf = ct_ptr_of(ws_ptr, o_rowf, IS_F64)
     m = tl.load(rowf + 2 * row)

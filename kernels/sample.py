@@ -1,9 +1,10 @@
 """sample: temperature / top-k / top-p / min-p sampling and greedy decoding of ``logits [B, V]``.
 
-The Triton path is two launches, each over (rows x chunks of the vocabulary) with the row's
-last program finishing it: statistics and merge (``_sampling_chunks.py``), then candidate
-gather and draw (``_sampling_finish.py``); greedy is the first alone, and ``random_val`` mode
-(``_sampling_random_val.py``) replaces the second. Two ideas:
+The Triton path is three launches: statistics and per-row merge over (rows x chunks of the
+vocabulary, ``_sampling_chunks.py``), candidate gather over the same grid
+(``_sampling_gather.py``), and the draw, a program per row (``_sampling_finish.py``). Greedy is
+the first alone; ``random_val`` mode (``_sampling_random_val.py``) replaces the other two.
+Launches skip ``JITFunction.run`` once compiled (``_sampling_launch.py``). Two ideas:
 
 - The draw is the exponential race ``argmax_i p_i / E_i`` over the kept tokens, with ``E_i`` a
   pure function of ``(seed, step, i)`` (``_sampling_noise.py``): no sort, no cumulative sum,
@@ -30,7 +31,9 @@ import triton
 from ._backend import resolve_backend
 from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_same_device, plan_cache
 from ._sampling_chunks import _stats_merge, workspace_layout
-from ._sampling_finish import _gather_finish
+from ._sampling_finish import _finish
+from ._sampling_gather import _gather
+from ._sampling_launch import FastLauncher
 from ._sampling_noise import split_u64
 from ._sampling_random_val import _random_val
 from .reference import sample as reference
@@ -45,6 +48,9 @@ GATHER_TOP_K_MAX = 128
 # Group maxima per row, at most: the merge selects among them in one block of registers, and
 # 1024 groups keep collisions among the top 128 logits to about 8 (k^2 / (2 * groups)).
 MAX_GROUPS = 1024
+# The gather launch's tile holds 32 values a thread at 4 warps and ~130 registers (ptxas), which
+# would cap it at 4 programs an SM; 8 warps halve the per-thread tile.
+GATHER_WARPS = 8
 
 
 def chunk_settings(n_cols: int) -> tuple[int, int, int]:
@@ -65,11 +71,12 @@ def chunk_settings(n_cols: int) -> tuple[int, int, int]:
 def finish_settings(n_cols: int) -> tuple[int, int, int]:
     """``(BLOCK, SELECT_BLOCK, num_warps)`` of the per-row passes over a whole row.
 
-    A walk pass keeps a running sum and best per lane (no reduction per block): 2048 lanes, 16
-    a thread at 4 warps. A selection round compares each value with 16 digits, a [block, 16]
-    tile: 256 rows of it keep the tile at 32 values a thread.
+    A walk pass keeps a running sum and best per lane (no reduction per block): 2048 lanes, 8 a
+    thread at 8 warps (the best of 1024/4, 2048/8 and 4096/8 warps measured on the H100 for a
+    256x128256 top-p walk). A selection round compares each value with 16 digits, a [block, 16]
+    tile: 256 rows of it keep the tile at 16 values a thread.
     """
-    return min(2048, triton.next_power_of_2(max(n_cols, 16))), 256, 4
+    return min(2048, triton.next_power_of_2(max(n_cols, 16))), 256, 8
 
 
 class SamplePlan:
@@ -122,7 +129,8 @@ class SamplePlan:
         self.workspace_size = 0
         if self.backend != "torch":
             self.workspace_size = workspace_layout(self.n_rows, self.n_chunks, self.n_groups, 8 if self.is_f64 else 4)
-            self.kernels = [k.for_backend(self.backend) for k in (_stats_merge, _gather_finish, _random_val)]
+            self.kernels = [FastLauncher(k, self.backend) for k in (_stats_merge, _gather, _finish, _random_val)]
+            self.device_index = logits.device.index or 0
 
     def __call__(self, logits: torch.Tensor, out: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
                  seed=0, step=0, random_val=None, workspace: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,44 +138,51 @@ class SamplePlan:
             return out
         if self.backend == "torch":
             return self._reference(logits, out, temperature, top_k, top_p, min_p, seed, step, random_val)
-        stats_merge, gather_finish, random_val_kernel = self.kernels
+        stats_merge, gather_kernel, finish, random_val_kernel = self.kernels
         ws = torch.zeros(self.workspace_size, dtype=torch.uint8, device=logits.device) if workspace is None \
             else workspace
         n_rows, n_cols, per_row = self.n_rows, self.n_cols, self.per_row
         t = _arg(temperature, float)
         k = _arg(top_k, lambda v: min(int(v), n_cols))
         p, mp = _arg(top_p, float), _arg(min_p, float)
-        rv = _arg(random_val if self.random_val_mode else 0.0, float)
-        greedy = (not per_row["temperature"] and temperature == 0) or (not per_row["top_k"] and top_k == 1)
-        if greedy:
-            gather = with_softmax = False
-        elif self.random_val_mode:
-            gather, with_softmax = False, True
-        else:
-            with_softmax = True
-            k_scalar = not per_row["top_k"]
-            pure_temperature = (k_scalar and (top_k == 0 or top_k >= n_cols) and not per_row["top_p"]
-                                and top_p >= 1 and not per_row["min_p"] and min_p == 0)
-            gather = not (pure_temperature or (k_scalar and GATHER_TOP_K_MAX < top_k < n_cols))
-        flags = dict(T_TENSOR=per_row["temperature"], K_TENSOR=per_row["top_k"], P_TENSOR=per_row["top_p"],
+        k_scalar = not per_row["top_k"]
+        greedy = (not per_row["temperature"] and temperature == 0) or (k_scalar and top_k == 1)
+        # Which launches this call needs, from the scalar parameters (per-row tensors may hold anything).
+        k_off = not k_scalar or top_k == 0 or top_k >= n_cols
+        pure_temperature = (k_scalar and k_off and not per_row["top_p"] and top_p >= 1 and not per_row["min_p"]
+                            and min_p == 0)
+        gather = not (greedy or self.random_val_mode or pure_temperature or (k_scalar and not k_off
+                                                                              and top_k > GATHER_TOP_K_MAX))
+        shape = dict(T_TENSOR=per_row["temperature"], K_TENSOR=per_row["top_k"], P_TENSOR=per_row["top_p"],
                      MP_TENSOR=per_row["min_p"], IS_F64=self.is_f64, CH=self.chunk, NG=self.groups)
         rs, cs = logits.stride()
-        stats_merge[(n_rows, self.n_chunks)](
-            out, ws, logits, rs, cs, *t, *k, *p, *mp, *rv, n_rows, n_cols, RV_MODE=self.random_val_mode,
-            RV_TENSOR=per_row["random_val"], CB=triton.next_power_of_2(self.n_chunks),
-            SELECT_BLOCK=self.select_block, WITH_SOFTMAX=with_softmax, WITH_GROUPS=gather,
-            WITH_ARGMAX=greedy or per_row["temperature"] or per_row["top_k"], num_warps=self.warps, **flags)
+        grid2 = (n_rows, self.n_chunks)
+        dev = self.device_index
+        stats_merge(grid2, (out, ws, logits, rs, cs, *t, *k, *p, *mp, *_arg(0.0 if random_val is None else random_val, float), n_rows, n_cols),
+                    dict(shape, RV_MODE=self.random_val_mode, RV_TENSOR=per_row["random_val"],
+                         CB=triton.next_power_of_2(self.n_chunks), SELECT_BLOCK=self.select_block,
+                         WITH_SOFTMAX=not greedy, WITH_GROUPS=gather,
+                         WITH_ARGMAX=greedy or per_row["temperature"] or per_row["top_k"]), self.warps, dev)
         if greedy:
             return out
         if self.random_val_mode:
-            random_val_kernel[(n_rows,)](out, ws, logits, rs, cs, *t, *k, *p, *mp, *rv, n_rows, n_cols,
-                                         RV_TENSOR=per_row["random_val"], BLOCK=self.block,
-                                         SELECT_BLOCK=self.select_block, num_warps=self.finish_warps, **flags)
+            random_val_kernel((n_rows,), (out, ws, logits, rs, cs, *t, *k, *p, *mp, *_arg(random_val, float),
+                                          n_rows, n_cols),
+                              dict(shape, RV_TENSOR=per_row["random_val"], BLOCK=self.block,
+                                   SELECT_BLOCK=self.select_block), self.finish_warps, dev)
             return out
-        gather_finish[(n_rows, self.n_chunks if gather else 1)](
-            out, ws, logits, rs, cs, *t, *k, *p, *mp, *_u64_arg(seed), *_u64_arg(step), n_rows, n_cols,
-            SEED_TENSOR=per_row["seed"], STEP_TENSOR=per_row["step"], TOP_K_FIRST=self.filter_order == "top_k_first",
-            GATHER=gather, BLOCK=self.block, SELECT_BLOCK=self.select_block, num_warps=self.finish_warps, **flags)
+        seeds = (*_u64_arg(seed), *_u64_arg(step))
+        if gather or k_off:
+            gather_kernel(grid2, (ws, logits, rs, cs, *t, *mp, *seeds, n_rows, n_cols),
+                          dict(T_TENSOR=per_row["temperature"], MP_TENSOR=per_row["min_p"],
+                               SEED_TENSOR=per_row["seed"], STEP_TENSOR=per_row["step"], IS_F64=self.is_f64,
+                               CH=self.chunk, NG=self.groups, GATHER=gather, WITH_PASS1=k_off),
+                          GATHER_WARPS, dev)
+        finish((n_rows,), (out, ws, logits, rs, cs, *t, *k, *p, *mp, *seeds, n_rows, n_cols),
+               dict(shape, SEED_TENSOR=per_row["seed"], STEP_TENSOR=per_row["step"],
+                    TOP_K_FIRST=self.filter_order == "top_k_first", GATHER=gather,
+                    CB=triton.next_power_of_2(self.n_chunks), BLOCK=self.block, SELECT_BLOCK=self.select_block),
+               self.finish_warps, dev)
         return out
 
     def _reference(self, logits, out, temperature, top_k, top_p, min_p, seed, step, random_val):

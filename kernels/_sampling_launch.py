@@ -1,0 +1,62 @@
+"""Relaunching a compiled Triton kernel without ``JITFunction.run``'s per-call work.
+
+Measured on the H100 host with triton 3.6 (bench/ops/sample.py's session notes): a launch
+through ``kernel[grid](...)`` costs 18 us of host time for 4 arguments, 31 us for 24, and about
+75 us for the sampling kernels' ~20 arguments and ~15 constexprs, so ``sample`` spent more time
+launching than the GPU spent running a one-row batch. ``JITFunction.run`` binds and specialises
+every argument, hashes the key and checks globals on each call; the compiled kernel's own
+launcher needs none of that once the kernel exists.
+
+:class:`FastLauncher` keys the compiled kernel by everything Triton specialises on (tensor
+dtypes and 16-byte alignment; integers equal to 1, divisible by 16, or past int32; constexpr
+values; ``num_warps``: a superset, so a miss only costs one normal launch) and calls
+``CompiledKernel.run`` directly, as ``JITFunction.run`` itself does last. Launch hooks
+(profilers) and the interpreter take the ordinary path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ._backend import Launchable
+
+
+def _spec(arg):
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, bool):
+        return arg
+    if isinstance(arg, int):
+        return arg == 1, arg % 16 == 0, -(1 << 31) <= arg < (1 << 31)
+    return type(arg)
+
+
+class FastLauncher:
+    """``launcher(grid, args, constexprs, num_warps, device_index)`` for one ``@launchable`` kernel.
+
+    ``args`` are the kernel's leading (runtime) parameters in order; ``constexprs`` the rest, by name.
+    """
+
+    def __init__(self, kernel: Launchable, backend: str):
+        self._launch = kernel.for_backend(backend)
+        self._fast = backend == "triton"
+        self._names = kernel._jit_fn.arg_names
+        self._compiled: dict = {}
+
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, device_index: int = 0):
+        if not self._fast:
+            self._launch[grid](*args, **constexprs, num_warps=num_warps)
+            return
+        key = (device_index, num_warps, tuple(constexprs.values()), tuple(_spec(a) for a in args))
+        kernel = self._compiled.get(key)
+        knobs = triton.knobs.runtime
+        if kernel is None or knobs.launch_enter_hook is not None or knobs.launch_exit_hook is not None:
+            kernel = self._launch[grid](*args, **constexprs, num_warps=num_warps)
+            self._compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
+            return
+        values = tuple(constexprs[name] for name in self._names[len(args):])
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        stream = torch._C._cuda_getCurrentRawStream(device_index)  # what triton's driver asks too
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
+                   *values)
