@@ -1,8 +1,11 @@
 """The first launch of ``sample``: per-chunk statistics, then the per-row merge.
 
 A row of ``n_cols`` logits is cut into chunks of ``CH`` columns so that one row still spreads
-over many programs (a single row is the latency case). A chunk is loaded as a ``[CH / NG, NG]``
-tile: column ``j`` of the tile is the chunk's strided group ``j`` (its columns ``j, j + NG, ...``).
+over many programs (a single row is the latency case). A chunk is loaded as a
+``[CH / (8 NG), 8 NG]`` tile; tile columns ``8j .. 8j+7`` form group ``j``: runs of 8 adjacent
+tokens (one 32-byte sector), repeating every ``8 NG`` tokens. A group is spread across its
+chunk (a cluster of large logits lands in several groups) yet costs only its own sectors to
+read back.
 
 ``_stats_merge`` (grid rows x chunks): each program reduces its chunk to its max, first arg-max,
 softmax partial ``sum(exp((x - max_c) / T))``, a NaN / finite flag and its group maxima. The
@@ -32,8 +35,8 @@ from ._sampling_select import key_bits_to_i64, key_from_i64, key_value, order_ke
 INT32_MAX = tl.constexpr(2147483647)
 # Candidate slots per row. A top_k up to K_GATHER_MAX (or, without top_k, the K_GATHER_DEFAULT
 # largest logits) sets the gather bound; on random logits the list then holds about
-# k + k^2 / (2 * groups) tokens (k tokens in distinct groups, plus collisions): under 140 for
-# k = 128 and 1024 groups, so 256 slots leave room for ties.
+# k + k^2 / (2 * groups) tokens (k tokens in distinct groups, plus collisions): about 145 for
+# k = 128 and 512 groups, so 256 slots leave room for ties.
 CAP = tl.constexpr(256)
 K_GATHER_MAX = tl.constexpr(128)
 K_GATHER_DEFAULT = tl.constexpr(128)
@@ -118,10 +121,22 @@ def row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, m
 
 @triton.jit
 def chunk_tile(chunk, n_cols, CH: tl.constexpr, NG: tl.constexpr):
-    """Columns and in-row mask of a chunk's [CH / NG, NG] tile (tile column j = strided group j)."""
-    GS: tl.constexpr = CH // NG
-    col = chunk * CH + tl.arange(0, GS)[:, None] * NG + tl.arange(0, NG)[None, :]
+    """Columns and in-row mask of a chunk's [CH / (8 NG), 8 NG] tile (tile columns 8j..8j+7: group j)."""
+    W: tl.constexpr = 8 * NG
+    col = chunk * CH + tl.arange(0, CH // W)[:, None] * W + tl.arange(0, W)[None, :]
     return col, col < n_cols
+
+
+@triton.jit
+def group_max_of(x, NG: tl.constexpr):
+    """The NG group maxima of a chunk tile."""
+    return tl.max(tl.reshape(tl.max(x, axis=0), (NG, 8)), axis=1)
+
+
+@triton.jit
+def group_columns(hit, NG: tl.constexpr):
+    """A per-group flag spread over the tile's 8 NG columns."""
+    return tl.reshape(tl.broadcast_to(hit[:, None], (NG, 8)), (8 * NG,))
 
 
 @launchable
@@ -142,7 +157,7 @@ def _stats_merge(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_st
     groups = ct_ptr_of(ws_ptr, o_groups, IS_F64)
     t, k, p, mp, k_neg = row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, mp_arg,
                                     mp_stride, T_TENSOR, K_TENSOR, P_TENSOR, MP_TENSOR)
-    inv_t = 1.0 / tl.where(t > 0, t, 1.0)
+    scale = 1.4426950408889634 / tl.where(t > 0, t, 1.0)  # log2(e) / T
 
     # This chunk's partials.
     col, mask = chunk_tile(chunk, n_cols, CH, NG)
@@ -152,7 +167,7 @@ def _stats_merge(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_st
     # One reduction for both flags: 2 if a NaN (the row is invalid whatever else), else 1 if a finite value.
     flag = tl.max(tl.max(tl.where(is_nan, 2, ((x > float("-inf")) & (x < float("inf"))).to(tl.int32)), 1), 0)
     x = tl.where(is_nan, float("-inf"), x)
-    group_max = tl.max(x, axis=0)
+    group_max = group_max_of(x, NG)
     m = tl.max(group_max, axis=0)
     slot = row * n_chunks + chunk
     tl.store(stats + 2 * slot, m)
@@ -162,7 +177,7 @@ def _stats_merge(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_st
     if WITH_SOFTMAX:
         # Online-softmax partial (Milakov and Gimelshein, arXiv:1805.02867): relative to this
         # chunk's max; the merge rescales by exp((m_c - m) / T).
-        z = tl.sum(tl.sum(rel_weight(x, m, inv_t), 1), 0)
+        z = tl.sum(tl.sum(rel_weight(x, m, scale), 1), 0)
         tl.store(stats + 2 * slot + 1, tl.where(m == float("-inf"), 0.0, z))
     if WITH_GROUPS:
         tl.store(groups + row * n_chunks * NG + chunk * NG + tl.arange(0, NG), group_max)
@@ -200,7 +215,7 @@ def _stats_merge(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_st
     z = tl.full([], 0.0, m.dtype)
     if WITH_SOFTMAX:
         z_c = tl.load(stats + 2 * cslot + 1, mask=cmask, other=0.0, cache_modifier=".cg")
-        z = tl.sum(z_c * rel_weight(m_c, m, inv_t), axis=0)
+        z = tl.sum(z_c * rel_weight(m_c, m, scale), axis=0)
         rowf = ct_ptr_of(ws_ptr, o_rowf, IS_F64)
         tl.store(rowf + 2 * row, m)
         tl.store(rowf + 2 * row + 1, z)
@@ -215,7 +230,7 @@ def _stats_merge(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_st
         k_bound = tl.where(k_on & (k <= K_GATHER_MAX), k, K_GATHER_DEFAULT)
         n_groups = n_chunks * NG
         group_row = groups + row * n_groups
-        bound = row_select_key(group_row, 1, n_groups, k_bound, m, inv_t, False, IS_F64, SELECT_BLOCK,
+        bound = row_select_key(group_row, 1, n_groups, k_bound, m, scale, False, IS_F64, SELECT_BLOCK,
                                BOUND_ROUNDS, True)
         bound = tl.where(k_bound > n_groups, 0, bound)
         tl.store(rowi + 2 * row + 1, key_bits_to_i64(bound, IS_F64))
@@ -225,7 +240,7 @@ def _stats_merge(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_st
             for start in range(0, n_groups, SELECT_BLOCK):
                 g = start + tl.arange(0, SELECT_BLOCK)
                 gm = tl.load(group_row + g, mask=g < n_groups, other=float("-inf"), cache_modifier=".cg")
-                lower += tl.where(order_key(gm, IS_F64) >= bound, rel_weight(gm, m, inv_t), 0.0)
-            w_bound = rel_weight(key_value(bound, IS_F64), m, inv_t)
+                lower += tl.where(order_key(gm, IS_F64) >= bound, rel_weight(gm, m, scale), 0.0)
+            w_bound = rel_weight(key_value(bound, IS_F64), m, scale)
             sure = ((p < 1) & (tl.sum(lower, axis=0) >= p * z)) | ((mp > 0) & (w_bound < mp))
     tl.store(rowi + 2 * row, tl.where(sure, ROW_STATE_SAMPLE, ROW_STATE_PASS1).to(tl.int64))

@@ -2,7 +2,8 @@
 
 Every filter keeps the tokens at or above a value (ties with the boundary included), so the
 kept set is ``{key >= t_k} & {key >= t_p} & {w >= min_p}`` where ``w = p / max(p)``. The draw
-is the exponential race ``argmax w_i / E_i`` over that set, with no need to find ``t_p``:
+is the exponential race ``argmax w_i / E_i`` (in logs: ``log2 w_i + gumbel_i``) over that set,
+with no need to find ``t_p``:
 
   walk: best = the winner over ``{key >= t_k}``; while the mass strictly above best reaches
   ``top_p`` of the reference mass, best was outside the nucleus, and so was everything at or
@@ -24,12 +25,13 @@ import triton.language as tl
 from ._backend import launchable
 from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_DONE, ROW_STATE_PASS1, ct_ptr_of, key_from_i64, row_params,
                                ws_offsets, ws_ptr_of)
-from ._sampling_noise import exponential, row_keys, u64_halves, uniform_bits
-from ._sampling_select import key_value, order_key, rel_weight, row_select_key, select_key_in_block, to_compute
+from ._sampling_noise import gumbel, row_keys, u64_halves, uniform_bits
+from ._sampling_select import (key_value, log2_weight, order_key, rel_weight, row_select_key, select_key_in_block,
+                               to_compute)
 
 
 @triton.jit
-def _walk_pass(x_ptr, x_stride, idx_ptr, n, lo, m, inv_t, min_p, k0, k1, WITH_BEST: tl.constexpr,
+def _walk_pass(x_ptr, x_stride, idx_ptr, n, lo, m, scale, min_p, k0, k1, WITH_BEST: tl.constexpr,
                CANDIDATES: tl.constexpr, IS_F64: tl.constexpr, BLOCK: tl.constexpr):
     """Over tokens with key >= lo: (their mass, winner index, winner key); a winner needs w >= min_p.
 
@@ -39,7 +41,7 @@ def _walk_pass(x_ptr, x_stride, idx_ptr, n, lo, m, inv_t, min_p, k0, k1, WITH_BE
     lanes = tl.arange(0, BLOCK)
     mass = tl.zeros([BLOCK], m.dtype)
     if WITH_BEST:
-        best_s = tl.full([BLOCK], -1.0, m.dtype)
+        best_s = tl.full([BLOCK], float("-inf"), m.dtype)
         best_i = tl.full([BLOCK], INT32_MAX, tl.int32)
         best_k = lo + lanes.to(lo.dtype) * 0
     for start in range(0, n, BLOCK):
@@ -54,11 +56,12 @@ def _walk_pass(x_ptr, x_stride, idx_ptr, n, lo, m, inv_t, min_p, k0, k1, WITH_BE
         x = to_compute(x, IS_F64)
         key = order_key(x, IS_F64)
         inside = mask & (key >= lo)
-        w = rel_weight(x, m, inv_t)
+        d = log2_weight(x, m, scale)
+        w = tl.exp2(d)
         mass += tl.where(inside, w, 0.0)
         if WITH_BEST:
-            e = exponential(uniform_bits(idx, k0, k1)).to(m.dtype)
-            score = tl.where(inside & (w >= min_p), w / e, -1.0)
+            g = gumbel(uniform_bits(idx, k0, k1)).to(m.dtype)
+            score = tl.where(inside & (w >= min_p), d + g, float("-inf"))
             better = (score > best_s) | ((score == best_s) & (idx < best_i))
             best_s = tl.where(better, score, best_s)
             best_i = tl.where(better, idx, best_i)
@@ -74,14 +77,14 @@ def _walk_pass(x_ptr, x_stride, idx_ptr, n, lo, m, inv_t, min_p, k0, k1, WITH_BE
 
 
 @triton.jit
-def _source_pass(use_cand, cx_ptr, ci_ptr, count, x_row_ptr, x_col_stride, n_cols, lo, m, inv_t, min_p, k0, k1,
+def _source_pass(use_cand, cx_ptr, ci_ptr, count, x_row_ptr, x_col_stride, n_cols, lo, m, scale, min_p, k0, k1,
                  WITH_BEST: tl.constexpr, IS_F64: tl.constexpr, BLOCK: tl.constexpr):
     """``_walk_pass`` over the candidate list (``use_cand``) or over the whole row."""
     if use_cand:
-        mass, winner, winner_key = _walk_pass(cx_ptr, 1, ci_ptr, count, lo, m, inv_t, min_p, k0, k1, WITH_BEST, True,
+        mass, winner, winner_key = _walk_pass(cx_ptr, 1, ci_ptr, count, lo, m, scale, min_p, k0, k1, WITH_BEST, True,
                                               IS_F64, CAP)
     else:
-        mass, winner, winner_key = _walk_pass(x_row_ptr, x_col_stride, ci_ptr, n_cols, lo, m, inv_t, min_p, k0, k1,
+        mass, winner, winner_key = _walk_pass(x_row_ptr, x_col_stride, ci_ptr, n_cols, lo, m, scale, min_p, k0, k1,
                                               WITH_BEST, False, IS_F64, BLOCK)
     return mass, winner, winner_key
 
@@ -93,7 +96,7 @@ def _finish_row(out_ptr, ws_ptr, x_row, x_col_stride, row, n_cols, n_chunks, pas
     rowf = ct_ptr_of(ws_ptr, o_rowf, IS_F64)
     m = tl.load(rowf + 2 * row)
     z = tl.load(rowf + 2 * row + 1)
-    inv_t = 1.0 / t
+    scale = 1.4426950408889634 / t  # log2(e) / T
     k_on = (k > 0) & (k < n_cols)
     cx = ct_ptr_of(ws_ptr, o_cx, IS_F64) + row * CAP
     ci = ws_ptr_of(ws_ptr, o_ci, tl.int32) + row * CAP
@@ -117,16 +120,16 @@ def _finish_row(out_ptr, ws_ptr, x_row, x_col_stride, row, n_cols, n_chunks, pas
         if k_on:
             keys = order_key(tl.load(cx + lanes, mask=valid, other=float("-inf"), cache_modifier=".cg"), IS_F64)
             t_k = select_key_in_block(keys, keys, valid, k, False, 64 if IS_F64 else 32, 16 if IS_F64 else 8)
-        mass, winner, winner_key = _walk_pass(cx, 1, ci, count, t_k, m, inv_t, min_p, k0, k1, True, True, IS_F64,
+        mass, winner, winner_key = _walk_pass(cx, 1, ci, count, t_k, m, scale, min_p, k0, k1, True, True, IS_F64,
                                               CAP)
-        w_bound = rel_weight(key_value(bound, IS_F64), m, inv_t)
+        w_bound = rel_weight(key_value(bound, IS_F64), m, scale)
         use_cand = k_on | (count == n_cols) | ((p < 1) & (mass >= p * z)) | ((min_p > 0) & (w_bound < min_p))
     if (use_cand == 0) & pass1:
         # The chunks' winners (lowest index on equal scores); no top_k here, so t_k = 0.
         c = tl.arange(0, CB)
         slot = row * n_chunks + c
         cmask = c < n_chunks
-        score = tl.load(ct_ptr_of(ws_ptr, o_p1s, IS_F64) + slot, mask=cmask, other=-2.0)
+        score = tl.load(ct_ptr_of(ws_ptr, o_p1s, IS_F64) + slot, mask=cmask, other=float("-inf"))
         index = tl.load(ws_ptr_of(ws_ptr, o_p1i, tl.int64) + 2 * slot, mask=cmask, other=INT32_MAX)
         keys = key_from_i64(tl.load(ws_ptr_of(ws_ptr, o_p1i, tl.int64) + 2 * slot + 1, mask=cmask, other=0), IS_F64)
         top = tl.max(score, axis=0)
@@ -134,8 +137,8 @@ def _finish_row(out_ptr, ws_ptr, x_row, x_col_stride, row, n_cols, n_chunks, pas
         winner_key = tl.max(tl.where(index == winner, keys, keys * 0), axis=0)
     if (use_cand == 0) & (pass1 == 0):
         if k_on:
-            t_k = row_select_key(x_row, x_col_stride, n_cols, k, m, inv_t, False, IS_F64, SELECT_BLOCK)
-        mass, winner, winner_key = _walk_pass(x_row, x_col_stride, ci, n_cols, t_k, m, inv_t, min_p, k0, k1, True,
+            t_k = row_select_key(x_row, x_col_stride, n_cols, k, m, scale, False, IS_F64, SELECT_BLOCK)
+        mass, winner, winner_key = _walk_pass(x_row, x_col_stride, ci, n_cols, t_k, m, scale, min_p, k0, k1, True,
                                               False, IS_F64, BLOCK)
     # Reference mass for top_p: the top-k set (top_k_first) or the whole row (joint).
     if TOP_K_FIRST:
@@ -145,11 +148,11 @@ def _finish_row(out_ptr, ws_ptr, x_row, x_col_stride, row, n_cols, n_chunks, pas
     searching = p < 1
     while searching:
         above, unused, unused_key = _source_pass(use_cand, cx, ci, count, x_row, x_col_stride, n_cols, winner_key + 1,
-                                                 m, inv_t, min_p, k0, k1, False, IS_F64, BLOCK)
+                                                 m, scale, min_p, k0, k1, False, IS_F64, BLOCK)
         searching = above >= p * z_ref
         if searching:
             above, winner, winner_key = _source_pass(use_cand, cx, ci, count, x_row, x_col_stride, n_cols,
-                                                     winner_key + 1, m, inv_t, min_p, k0, k1, True, IS_F64, BLOCK)
+                                                     winner_key + 1, m, scale, min_p, k0, k1, True, IS_F64, BLOCK)
     tl.store(out_ptr + row, winner.to(out_ptr.dtype.element_ty))
 
 

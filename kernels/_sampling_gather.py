@@ -3,11 +3,11 @@
 Grid rows x chunks, the chunk tiles of ``_sampling_chunks``. Each program appends its chunk's
 tokens at or above the row's bound ``L`` to the row's list of ``CAP`` candidate slots, a slot
 per token from an atomic counter (slot order does not matter: everything after reads the list
-as a set). Only the groups whose max reaches L are read again, so a top-k row re-reads a few
-groups, not its chunk.
+as a set). Only the groups whose max reaches L are read again (a group's runs of 8 are whole
+sectors), so a top-k row re-reads a few kilobytes, not its chunk.
 
 For rows the merge marked ROW_STATE_PASS1 (the list may not decide them) each program also
-runs the first pass of the draw over its whole chunk: the exponential race ``w / E`` among the
+runs the first pass of the draw over its whole chunk: the race ``log2(w) + gumbel`` among the
 tokens min_p keeps, leaving the chunk's winner (score, index, key) for the finish launch. The
 per-token scores are those of ``_sampling_finish._walk_pass``, so the draw does not depend on
 which path ran.
@@ -19,10 +19,10 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable
-from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_DONE, ROW_STATE_PASS1, chunk_tile, ct_ptr_of, row_param,
-                               ws_offsets, ws_ptr_of)
-from ._sampling_noise import exponential, row_keys, u64_halves, uniform_bits
-from ._sampling_select import key_bits_to_i64, key_from_i64, order_key, rel_weight, to_compute
+from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_DONE, ROW_STATE_PASS1, chunk_tile, ct_ptr_of, group_columns,
+                               row_param, ws_offsets, ws_ptr_of)
+from ._sampling_noise import gumbel, row_keys, u64_halves, uniform_bits
+from ._sampling_select import key_bits_to_i64, key_from_i64, log2_weight, order_key, to_compute
 
 
 @launchable
@@ -54,8 +54,9 @@ def _gather(ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, mp_arg, 
         group_max = tl.load(ct_ptr_of(ws_ptr, o_groups, IS_F64) + (row * n_chunks + chunk) * NG + tl.arange(0, NG))
         hit = order_key(group_max, IS_F64) >= bound
         gather = (tl.max(hit.to(tl.int32), axis=0) > 0) & (tl.load(count_ptr) <= CAP)
+        hit = group_columns(hit.to(tl.int32), NG) != 0
     else:
-        hit = tl.arange(0, NG) < 0
+        hit = tl.arange(0, 8 * NG) < 0
         gather = state < 0
     if gather | pass1:
         col, mask = chunk_tile(chunk, n_cols, CH, NG)
@@ -80,9 +81,9 @@ def _gather(ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, mp_arg, 
                 s_lo, s_hi = u64_halves(seed_arg, seed_hi, row, seed_stride, SEED_TENSOR)
                 c_lo, c_hi = u64_halves(step_arg, step_hi, row, step_stride, STEP_TENSOR)
                 k0, k1 = row_keys(s_lo, s_hi, c_lo, c_hi)
-                w = rel_weight(x, m, 1.0 / t)
-                e = exponential(uniform_bits(col, k0, k1)).to(m.dtype)
-                score = tl.where(mask & (w >= min_p), w / e, -1.0)
+                d = log2_weight(x, m, 1.4426950408889634 / t)
+                g = gumbel(uniform_bits(col, k0, k1)).to(m.dtype)
+                score = tl.where(mask & (tl.exp2(d) >= min_p), d + g, float("-inf"))
                 top = tl.max(tl.max(score, 1), 0)
                 winner = tl.min(tl.min(tl.where(score == top, col, INT32_MAX), 1), 0)
                 winner_key = tl.max(tl.max(tl.where(col == winner, key, key * 0), 1), 0)

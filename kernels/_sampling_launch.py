@@ -10,8 +10,9 @@ launcher needs none of that once the kernel exists.
 :class:`FastLauncher` keys the compiled kernel by everything Triton specialises on (tensor
 dtypes and 16-byte alignment; integers equal to 1, divisible by 16, or past int32; constexpr
 values; ``num_warps``: a superset, so a miss only costs one normal launch) and calls
-``CompiledKernel.run`` directly, as ``JITFunction.run`` itself does last. Launch hooks
-(profilers) and the interpreter take the ordinary path.
+``CompiledKernel.run`` directly, with the launch metadata and hooks exactly as
+``JITFunction.run`` passes them last (so profilers still see the launch). The interpreter takes
+the ordinary path.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ class FastLauncher:
             return
         key = (device_index, num_warps, tuple(constexprs.values()), tuple(_spec(a) for a in args))
         kernel = self._compiled.get(key)
-        knobs = triton.knobs.runtime
-        if kernel is None or knobs.launch_enter_hook is not None or knobs.launch_exit_hook is not None:
+        if kernel is None:
             kernel = self._launch[grid](*args, **constexprs, num_warps=num_warps)
             self._compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
             return
-        values = tuple(constexprs[name] for name in self._names[len(args):])
+        bound = (*args, *(constexprs[name] for name in self._names[len(args):]))
         g = tuple(grid) + (1,) * (3 - len(grid))
         stream = torch._C._cuda_getCurrentRawStream(device_index)  # what triton's driver asks too
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
-                   *values)
+        knobs = triton.knobs.runtime
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(g, stream, *bound), knobs.launch_enter_hook, knobs.launch_exit_hook,
+                   *bound)

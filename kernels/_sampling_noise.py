@@ -13,10 +13,11 @@ tests/test_sample_statistics.py are its quality check.
 
 The uniform takes the top 23 bits: ``u = (b + 0.5) * 2**-23`` lies strictly inside (0, 1) and is
 exact in float32 (built from the bits as a float's mantissa: no int-to-float conversion, which
-runs at a quarter of the FP32 rate on Hopper). ``E = -log(u)`` is an Exp(1) draw; the Gumbel-max trick (Gumbel 1954; Maddison
-et al., "A* sampling", 2014) in its exponential-race form picks ``argmax_i p_i / E_i``, which is
-distributed exactly as ``p``. For u close to 1, ``-log(u)`` loses relative precision, so there
-``E = -log1p(-v)`` with ``v = 1 - u`` (also exact) comes from its series.
+runs at a quarter of the FP32 rate on Hopper). ``E = -log2(u)`` is an exponential draw; the
+Gumbel-max trick (Gumbel 1954; Maddison et al., "A* sampling", 2014) in its exponential-race
+form picks ``argmax_i p_i / E_i``, distributed exactly as ``p``; in base-2 logs that is
+``argmax_i log2(p_i) - log2(E_i)``. For u close to 1, ``-log2(u)`` loses relative precision, so
+there ``E = -log1p(-v) / ln 2`` with ``v = 1 - u`` (also exact) comes from its series.
 """
 
 from __future__ import annotations
@@ -75,26 +76,30 @@ def uniform_bits(idx, k0, k1):
 
 
 @triton.jit
-def exponential(bits):
-    """Exp(1) draws (float32) from hash bits: -log(u) with u = (top 23 bits + 0.5) * 2**-23."""
+def gumbel(bits):
+    """Base-2 Gumbel draws ``-log2(E)`` (float32) from hash bits, with ``E = -log2(u)``.
+
+    ``E`` is an exponential draw (``Exp(1) / ln 2``), so ``argmax_i log2(p_i) + gumbel_i`` picks
+    ``argmax_i p_i / E_i``: the exponential race, in logs (no exp, no division per token).
+    """
     # u and v = 1 - u without an int-to-float conversion: the 23 bits as the mantissa of a
     # float in [1, 2), minus 1, plus half a step. Both subtractions are exact.
     u = ((bits >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0 + 5.9604644775390625e-08
     v = 1.0 - u
-    # -log1p(-v) = v + v^2/2 + v^3/3 + v^4/4 + ...; for v < 2**-6 the v^5/5 term is under 2**-31 v.
-    series = v * (1.0 + v * (0.5 + v * (0.3333333432674408 + v * 0.25)))
-    return tl.where(v < 0.015625, series, -tl.log(u))
+    # -log2(1 - v) = (v + v^2/2 + v^3/3 + v^4/4 + ...) / ln 2; for v < 2**-6 the v^5/5 term is under 2**-31 v.
+    series = v * (1.0 + v * (0.5 + v * (0.3333333432674408 + v * 0.25))) * 1.4426950408889634
+    return -tl.log2(tl.where(v < 0.015625, series, -tl.log2(u)))
 
 
 @launchable
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "step_lo", "step_hi"])
-def _noise_kernel(bits_ptr, exp_ptr, seed_lo, seed_hi, step_lo, step_hi, n, BLOCK: tl.constexpr):
+def _noise_kernel(bits_ptr, gumbel_ptr, seed_lo, seed_hi, step_lo, step_hi, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     k0, k1 = row_keys(_u32(seed_lo), _u32(seed_hi), _u32(step_lo), _u32(step_hi))
     bits = uniform_bits(offs, k0, k1)
     tl.store(bits_ptr + offs, bits.to(tl.int64), mask=mask)
-    tl.store(exp_ptr + offs, exponential(bits), mask=mask)
+    tl.store(gumbel_ptr + offs, gumbel(bits), mask=mask)
 
 
 def split_u64(value: int) -> tuple[int, int]:
@@ -106,13 +111,13 @@ def split_u64(value: int) -> tuple[int, int]:
 
 def noise(seed: int, step: int, n: int, *, device: torch.device | str = "cpu",
           backend: str = "interpret") -> tuple[torch.Tensor, torch.Tensor]:
-    """The hash bits (int64 holding uint32) and Exp(1) draws for tokens ``0..n-1`` of one row.
+    """The hash bits (int64 holding uint32) and base-2 Gumbel draws for tokens ``0..n-1`` of one row.
 
     For tests and for replaying a draw: ``reference.sample.noise`` computes the same in torch.
     """
     bits = torch.empty(n, dtype=torch.int64, device=device)
-    exps = torch.empty(n, dtype=torch.float32, device=device)
+    draws = torch.empty(n, dtype=torch.float32, device=device)
     block = 1024
     _noise_kernel.for_backend(backend)[(triton.cdiv(n, block),)](
-        bits, exps, *split_u64(seed), *split_u64(step), n, BLOCK=block)
-    return bits, exps
+        bits, draws, *split_u64(seed), *split_u64(step), n, BLOCK=block)
+    return bits, draws

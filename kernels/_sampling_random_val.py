@@ -19,7 +19,7 @@ from ._sampling_select import key_value, order_key, rel_weight, row_select_key, 
 
 
 @triton.jit
-def _above(x_ptr, x_stride, n, key_k, m, inv_t, IS_F64: tl.constexpr, BLOCK: tl.constexpr):
+def _above(x_ptr, x_stride, n, key_k, m, scale, IS_F64: tl.constexpr, BLOCK: tl.constexpr):
     """(mass of keys > key_k, their count, count of keys == key_k) over a row."""
     lanes = tl.arange(0, BLOCK)
     mass = tl.zeros([BLOCK], m.dtype)
@@ -31,7 +31,7 @@ def _above(x_ptr, x_stride, n, key_k, m, inv_t, IS_F64: tl.constexpr, BLOCK: tl.
         x = to_compute(tl.load(x_ptr + offs.to(tl.int64) * x_stride, mask=mask, other=float("-inf")), IS_F64)
         key = order_key(x, IS_F64)
         gt = mask & (key > key_k)
-        mass += tl.where(gt, rel_weight(x, m, inv_t), 0.0)
+        mass += tl.where(gt, rel_weight(x, m, scale), 0.0)
         n_above += gt.to(tl.int32)
         n_equal += (mask & (key == key_k)).to(tl.int32)
     return tl.sum(mass, axis=0), tl.sum(n_above, axis=0), tl.sum(n_equal, axis=0)
@@ -75,26 +75,26 @@ def _random_val(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_str
     t, k, p, min_p, k_neg = row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, mp_arg,
                                        mp_stride, T_TENSOR, K_TENSOR, P_TENSOR, MP_TENSOR)
     r = row_param(rv_arg, row, rv_stride, RV_TENSOR, tl.float32).to(m.dtype)
-    inv_t = 1.0 / t
+    scale = 1.4426950408889634 / t  # log2(e) / T
     x_row = x_ptr + row * x_row_stride
     k_on = (k > 0) & (k < n_cols)
     key_m = order_key(m, IS_F64)
     t_k = key_m * 0
     mass_k = z
     if k_on:
-        t_k = row_select_key(x_row, x_col_stride, n_cols, k, m, inv_t, False, IS_F64, SELECT_BLOCK)
-        above, n_above, n_equal = _above(x_row, x_col_stride, n_cols, t_k, m, inv_t, IS_F64, BLOCK)
-        mass_k = above + (k - n_above).to(m.dtype) * rel_weight(key_value(t_k, IS_F64), m, inv_t)
+        t_k = row_select_key(x_row, x_col_stride, n_cols, k, m, scale, False, IS_F64, SELECT_BLOCK)
+        above, n_above, n_equal = _above(x_row, x_col_stride, n_cols, t_k, m, scale, IS_F64, BLOCK)
+        mass_k = above + (k - n_above).to(m.dtype) * rel_weight(key_value(t_k, IS_F64), m, scale)
     threshold = r * tl.minimum(p.to(m.dtype) * z, mass_k)
-    target = row_select_key(x_row, x_col_stride, n_cols, threshold, m, inv_t, True, IS_F64, SELECT_BLOCK)
+    target = row_select_key(x_row, x_col_stride, n_cols, threshold, m, scale, True, IS_F64, SELECT_BLOCK)
     target = tl.where(threshold > 0, tl.maximum(target, t_k), key_m)
-    above, n_above, n_equal = _above(x_row, x_col_stride, n_cols, target, m, inv_t, IS_F64, BLOCK)
+    above, n_above, n_equal = _above(x_row, x_col_stride, n_cols, target, m, scale, IS_F64, BLOCK)
     if n_equal == 0:
         # Rounding put the threshold past the row's total mass: the answer is the last token in order.
-        target = row_select_key(x_row, x_col_stride, n_cols, n_cols, m, inv_t, False, IS_F64, SELECT_BLOCK)
-        above, n_above, n_equal = _above(x_row, x_col_stride, n_cols, target, m, inv_t, IS_F64, BLOCK)
+        target = row_select_key(x_row, x_col_stride, n_cols, n_cols, m, scale, False, IS_F64, SELECT_BLOCK)
+        above, n_above, n_equal = _above(x_row, x_col_stride, n_cols, target, m, scale, IS_F64, BLOCK)
     last = tl.where(k_on & (target == t_k), k - n_above, n_equal)
-    step = tl.ceil((threshold - above) / rel_weight(key_value(target, IS_F64), m, inv_t))
+    step = tl.ceil((threshold - above) / rel_weight(key_value(target, IS_F64), m, scale))
     rank = tl.minimum(tl.maximum(step, 1.0), last.to(m.dtype)).to(tl.int32)
     token = _nth_equal(x_row, x_col_stride, n_cols, target, rank, IS_F64, BLOCK)
     tl.store(out_ptr + row, token.to(out_ptr.dtype.element_ty))

@@ -65,9 +65,16 @@ def key_from_i64(v, IS_F64: tl.constexpr):
 
 
 @triton.jit
-def rel_weight(x, m, inv_t):
-    """w = p / max(p) = exp((x - m) / T), exactly 1 at the max (also when the max is +inf)."""
-    return tl.exp(tl.where(x == m, 0.0, (x - m) * inv_t).to(x.dtype))
+def log2_weight(x, m, scale):
+    """log2(p / max(p)) = (x - m) * scale with ``scale = log2(e) / T``; exactly 0 at the max
+    (also when the max is +inf, which makes the +inf entries share all the mass)."""
+    return tl.where(x == m, 0.0, (x - m) * scale).to(x.dtype)
+
+
+@triton.jit
+def rel_weight(x, m, scale):
+    """w = p / max(p) = exp2(log2_weight), exactly 1 at the max."""
+    return tl.exp2(log2_weight(x, m, scale))
 
 
 @triton.jit
@@ -105,7 +112,7 @@ def select_key_in_block(keys, weights, valid, target, WEIGHTED: tl.constexpr, KE
 
 
 @triton.jit
-def row_select_key(x_ptr, x_stride, n, target, m, inv_t, WEIGHTED: tl.constexpr, IS_F64: tl.constexpr,
+def row_select_key(x_ptr, x_stride, n, target, m, scale, WEIGHTED: tl.constexpr, IS_F64: tl.constexpr,
                    BLOCK: tl.constexpr, ROUNDS: tl.constexpr = 0, FROM_WORKSPACE: tl.constexpr = False):
     """``select_key_in_block`` over ``n`` values in memory, one pass per round (all rounds if 0).
 
@@ -131,7 +138,7 @@ def row_select_key(x_ptr, x_stride, n, target, m, inv_t, WEIGHTED: tl.constexpr,
             x = to_compute(x, IS_F64)
             ge = (order_key(x, IS_F64)[:, None] >= cand[None, :]) & mask[:, None]
             if WEIGHTED:
-                acc += tl.sum(tl.where(ge, rel_weight(x, m, inv_t)[:, None], 0.0), axis=0)
+                acc += tl.sum(tl.where(ge, rel_weight(x, m, scale)[:, None], 0.0), axis=0)
             else:
                 acc += tl.sum(ge.to(tl.int32), axis=0)
         answer = answer | (_next_digit(acc, target).to(answer.dtype) << (KEY_BITS - 4 * (r + 1)))

@@ -60,24 +60,25 @@ def fixed_row(vocab: int, seed: int = 7, scale: float = 1.5) -> torch.Tensor:
 @pytest.mark.parametrize("seed", [0, 1, 2**63 - 1, -1, 2**40 + 5])
 @pytest.mark.parametrize("step", [0, 1, 2**33 + 7])
 def test_noise_bits_identical_across_backends(seed, step):
-    bits, exps = torch_noise(torch.tensor([seed]), torch.tensor([step]), 3000)
-    kbits, kexps = kernel_noise(seed, step, 3000, backend="interpret")
+    bits, gumbels = torch_noise(torch.tensor([seed]), torch.tensor([step]), 3000)
+    kbits, kgumbels = kernel_noise(seed, step, 3000, backend="interpret")
     assert torch.equal(bits[0], kbits)
-    torch.testing.assert_close(exps[0], kexps, rtol=4e-7, atol=0)  # log rounding: 2 ulps
-    if HAS_CUDA:
-        gbits, gexps = kernel_noise(seed, step, 3000, device="cuda", backend="triton")
+    torch.testing.assert_close(gumbels[0], kgumbels, rtol=1e-6, atol=1e-6)  # two log2 roundings
+    if HAS_CUDA:  # the GPU's log2 is the fast approximation (2**-22 absolute)
+        gbits, ggumbels = kernel_noise(seed, step, 3000, device="cuda", backend="triton")
         assert torch.equal(bits[0], gbits.cpu())
-        torch.testing.assert_close(exps[0], gexps.cpu(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(gumbels[0], ggumbels.cpu(), rtol=1e-5, atol=1e-5)
 
 
 def test_noise_uniform_and_independent():
     seeds = torch.tensor([0, 1, 99, 2**62 + 3])
-    bits, exps = torch_noise(seeds, torch.zeros(4, dtype=torch.int64), 1 << 16)
+    bits, gumbels = torch_noise(seeds, torch.zeros(4, dtype=torch.int64), 1 << 16)
+    exps = np.exp2(-gumbels.double().numpy()) * np.log(2)  # G = -log2(E / ln 2), E ~ Exp(1)
     u = (bits >> 9).double().numpy() / 2**23
     for r in range(4):
         assert chisquare(np.bincount((u[r] * 256).astype(int), minlength=256)).pvalue > P_MIN
         assert abs(np.corrcoef(u[r, :-1], u[r, 1:])[0, 1]) < 0.02  # neighbouring tokens
-        assert kstest(exps[r].double().numpy(), "expon").pvalue > P_MIN
+        assert kstest(exps[r], "expon").pvalue > P_MIN
     assert abs(np.corrcoef(u[0], u[1])[0, 1]) < 0.02  # neighbouring seeds
     # One token across consecutive steps (the decode loop's axis).
     bits, _ = torch_noise(torch.full((20000,), 5), torch.arange(20000), 3)

@@ -37,15 +37,17 @@ def row_keys(seed: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def noise(seed: torch.Tensor, step: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bits, E)`` for tokens 0..n-1 of each row: hash bits ``[B, n]`` and Exp(1) draws (float32)."""
+    """``(bits, G)`` for tokens 0..n-1 of each row: hash bits ``[B, n]`` and base-2 Gumbel draws
+    ``G = -log2(E)``, ``E = -log2(u)`` (float32)."""
     k0, k1 = row_keys(seed, step)
     idx = torch.arange(n, dtype=torch.int64, device=seed.device)
     bits = fmix32(fmix32(idx[None, :] ^ k1[:, None]) ^ k0[:, None])
     b = bits >> 9
     u = (b.to(torch.float32) + 0.5) * 2.0**-23
     v = ((8388607 - b).to(torch.float32) + 0.5) * 2.0**-23
-    series = v * (1.0 + v * (0.5 + v * (0.3333333432674408 + v * 0.25)))
-    return bits, torch.where(v < 0.015625, series, -torch.log(u))
+    # Near u = 1, -log2(u) = -log1p(-v) / ln 2 from its series (v is exact there).
+    series = v * (1.0 + v * (0.5 + v * (0.3333333432674408 + v * 0.25))) * 1.4426950408889634
+    return bits, -torch.log2(torch.where(v < 0.015625, series, -torch.log2(u)))
 
 
 def _invalid_rows(x, temperature, top_k, top_p, min_p, random_val):
@@ -74,15 +76,16 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     greedy = (temperature == 0) | (top_k == 1)
     greedy_token = x.argmax(1)  # the first maximal index
 
-    # Relative probabilities w = p / max(p) = exp((x - max) / T); the max itself gets exactly 1,
-    # which also makes a row with +inf logits uniform over its +inf entries.
+    # log2 of the relative probabilities w = p / max(p) = exp((x - max) / T); the max itself gets
+    # exactly 0 (w = 1), which also makes a row with +inf logits uniform over its +inf entries.
     m = x.max(1, keepdim=True).values
-    inv_t = (1.0 / torch.where(greedy | bad, 1.0, temperature)).to(ct)[:, None]
-    w = torch.exp(torch.where(x == m, 0.0, (x - m) * inv_t))
+    scale = (1.4426950408889634 / torch.where(greedy | bad, 1.0, temperature)).to(ct)[:, None]
+    d = torch.where(x == m, 0.0, (x - m) * scale)
+    w = torch.exp2(d)
     sorted_x, order = torch.sort(x, dim=1, descending=True, stable=True)  # ties: lower index first
     k = torch.where((top_k <= 0) | (top_k >= n_cols), n_cols, top_k).clamp(min=1)[:, None]
     if random_val is None:
-        token = _draw(x, w, sorted_x, order, k, top_p.to(ct)[:, None], min_p.to(ct)[:, None],
+        token = _draw(x, d, w, sorted_x, order, k, top_p.to(ct)[:, None], min_p.to(ct)[:, None],
                       noise(seed, step, n_cols)[1].to(ct), filter_order)
     else:
         token = _infinicore(w, order, k, top_p.to(ct), random_val.to(ct))
@@ -90,7 +93,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return torch.where(bad, -1, token).to(out_dtype)
 
 
-def _draw(x, w, sorted_x, order, k, top_p, min_p, exps, filter_order):
+def _draw(x, d, w, sorted_x, order, k, top_p, min_p, gumbels, filter_order):
     # top-k: keep every token >= the k-th largest value (ties with it included).
     in_k = x >= sorted_x.gather(1, k - 1)
     # top-p: in descending order, keep positions whose mass before them is under top_p of the
@@ -103,8 +106,9 @@ def _draw(x, w, sorted_x, order, k, top_p, min_p, exps, filter_order):
     in_p = (top_p >= 1) | (x >= sorted_x.gather(1, n_kept - 1))
     # min-p: keep p >= min_p * max(p), i.e. w >= min_p.
     kept = in_k & in_p & (w >= min_p)
-    # Exponential race: argmax p_i / E_i over the kept tokens is distributed as p restricted to them.
-    return torch.where(kept, w / exps, -1.0).argmax(1)
+    # Exponential race: argmax p_i / E_i over the kept tokens is distributed as p restricted to
+    # them; in base-2 logs, argmax log2(w_i) - log2(E_i).
+    return torch.where(kept, d + gumbels, float("-inf")).argmax(1)
 
 
 def _infinicore(w, order, k, top_p, random_val):
