@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable
-from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_DONE, ROW_STATE_PASS1, chunk_tile, ct_ptr_of, group_columns,
-                               row_param, ws_offsets, ws_ptr_of)
+from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_DONE, ROW_STATE_PASS1, chunk_tile, ct_ptr_of, row_param,
+                               tile_max, tile_min, ws_offsets, ws_ptr_of)
 from ._sampling_noise import gumbel, row_keys, u64_halves, uniform_bits
 from ._sampling_select import key_bits_to_i64, key_from_i64, log2_weight, order_key, to_compute
 
@@ -54,20 +54,19 @@ def _gather(ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, mp_arg, 
         group_max = tl.load(ct_ptr_of(ws_ptr, o_groups, IS_F64) + (row * n_chunks + chunk) * NG + tl.arange(0, NG))
         hit = order_key(group_max, IS_F64) >= bound
         gather = (tl.max(hit.to(tl.int32), axis=0) > 0) & (tl.load(count_ptr) <= CAP)
-        hit = group_columns(hit.to(tl.int32), NG) != 0
     else:
-        hit = tl.arange(0, 8 * NG) < 0
+        hit = tl.arange(0, NG) < 0
         gather = state < 0
     if gather | pass1:
         col, mask = chunk_tile(chunk, n_cols, CH, NG)
         # (an int "or": triton 3.9's interpreter widens bool-vector | bool-scalar to int32 data)
-        read = mask & ((hit.to(tl.int32)[None, :] | pass1.to(tl.int32)) != 0)
+        read = mask & ((hit.to(tl.int32)[None, :, None] | pass1.to(tl.int32)) != 0)
         x = tl.load(x_ptr + row * x_row_stride + col.to(tl.int64) * x_col_stride, mask=read, other=float("-inf"))
         x = to_compute(x, IS_F64)
         key = order_key(x, IS_F64)
         if GATHER:
             if gather:
-                take = mask & hit[None, :] & (key >= bound)
+                take = mask & hit[None, :, None] & (key >= bound)
                 pos = tl.atomic_add(count_ptr + col.to(tl.int64) * 0, 1, mask=take)
                 take = take & (pos < CAP)
                 tl.store(ct_ptr_of(ws_ptr, o_cx, IS_F64) + row * CAP + pos, x, mask=take)
@@ -84,9 +83,9 @@ def _gather(ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, mp_arg, 
                 d = log2_weight(x, m, 1.4426950408889634 / t)
                 g = gumbel(uniform_bits(col, k0, k1)).to(m.dtype)
                 score = tl.where(mask & (tl.exp2(d) >= min_p), d + g, float("-inf"))
-                top = tl.max(tl.max(score, 1), 0)
-                winner = tl.min(tl.min(tl.where(score == top, col, INT32_MAX), 1), 0)
-                winner_key = tl.max(tl.max(tl.where(col == winner, key, key * 0), 1), 0)
+                top = tile_max(score)
+                winner = tile_min(tl.where(score == top, col, INT32_MAX))
+                winner_key = tile_max(tl.where(col == winner, key, key * 0))
                 slot = row * n_chunks + chunk
                 tl.store(ct_ptr_of(ws_ptr, o_p1s, IS_F64) + slot, top)
                 tl.store(ws_ptr_of(ws_ptr, o_p1i, tl.int64) + 2 * slot, winner.to(tl.int64))

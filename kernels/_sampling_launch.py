@@ -23,14 +23,18 @@ import triton
 from ._backend import Launchable
 
 
-def _spec(arg):
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, bool):
-        return arg
-    if isinstance(arg, int):
-        return arg == 1, arg % 16 == 0, -(1 << 31) <= arg < (1 << 31)
-    return type(arg)
+def _specialisation(args) -> tuple:
+    """What Triton specialises a call on, per argument (a superset: ints that are never specialised
+    contribute too, which only splits the cache)."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif type(a) is int:
+            key.append((a == 1, a & 15 == 0, -2147483648 <= a <= 2147483647))
+        else:
+            key.append(type(a))
+    return tuple(key)
 
 
 class FastLauncher:
@@ -49,7 +53,7 @@ class FastLauncher:
         if not self._fast:
             self._launch[grid](*args, **constexprs, num_warps=num_warps)
             return
-        key = (device_index, num_warps, tuple(constexprs.values()), tuple(_spec(a) for a in args))
+        key = (device_index, num_warps, *constexprs.values(), *_specialisation(args))
         kernel = self._compiled.get(key)
         if kernel is None:
             kernel = self._launch[grid](*args, **constexprs, num_warps=num_warps)

@@ -88,4 +88,9 @@ def test_invalid_rows_and_wide_vocab(backend, device):
 def test_matches_infinicore_triton(kw):
     for ties, vocab in ((False, 37), (True, 37), (False, 128256)):
         x = rows(64, vocab, seed=vocab, ties=ties)
-        check(x, uniforms(64, 5), "triton", "cuda", kw)
+        r = uniforms(64, 5)
+        if vocab > 1000:
+            # At 1 - 2**-24 the threshold sits within float32 rounding of the row's total mass,
+            # among a tail of 1e-6 probabilities: no float32 cumulative sum decides that exactly.
+            r[1] = 0.999
+        check(x, r, "triton", "cuda", kw)
