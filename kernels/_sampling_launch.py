@@ -7,10 +7,12 @@ launching than the GPU spent running a one-row batch. ``JITFunction.run`` binds 
 every argument, hashes the key and checks globals on each call; the compiled kernel's own
 launcher needs none of that once the kernel exists.
 
-:class:`FastLauncher` keys the compiled kernel by everything Triton specialises on (tensor
-dtypes and 16-byte alignment; integers equal to 1, divisible by 16, or past int32; constexpr
-values; ``num_warps``: a superset, so a miss only costs one normal launch) and calls
-``CompiledKernel.run`` directly, with the launch metadata and hooks exactly as
+:class:`FastLauncher` belongs to one plan, whose layout fixes what Triton specialises on
+besides the call's values: tensor dtypes, the logits' strides and width (integers equal to 1 or
+divisible by 16). Of the per-call values the kernels leave only tensor alignment specialised
+(every other integer is ``do_not_specialize`` and within int32 by construction; floats are
+fp32). So it keys the compiled kernel by (constexprs, ``num_warps``, each tensor's 16-byte
+alignment); a miss costs one ordinary launch. It then calls ``CompiledKernel.run`` directly, with the launch metadata and hooks exactly as
 ``JITFunction.run`` passes them last (so profilers still see the launch). The interpreter takes
 the ordinary path.
 """
@@ -23,22 +25,13 @@ import triton
 from ._backend import Launchable
 
 
-def _specialisation(args) -> tuple:
-    """What Triton specialises a call on, per argument (a superset: ints that are never specialised
-    contribute too, which only splits the cache)."""
-    key = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() & 15 == 0))
-        elif type(a) is int:
-            key.append((a == 1, a & 15 == 0, -2147483648 <= a <= 2147483647))
-        else:
-            key.append(type(a))
-    return tuple(key)
+def _alignment(args) -> tuple:
+    """The per-call part of Triton's specialisation: each tensor's 16-byte alignment."""
+    return tuple(a.data_ptr() & 15 == 0 for a in args if isinstance(a, torch.Tensor))
 
 
 class FastLauncher:
-    """``launcher(grid, args, constexprs, num_warps, device_index)`` for one ``@launchable`` kernel.
+    """``launcher(grid, args, constexprs, num_warps, device_index)`` for one kernel of one plan.
 
     ``args`` are the kernel's leading (runtime) parameters in order; ``constexprs`` the rest, by name.
     """
@@ -53,7 +46,7 @@ class FastLauncher:
         if not self._fast:
             self._launch[grid](*args, **constexprs, num_warps=num_warps)
             return
-        key = (device_index, num_warps, *constexprs.values(), *_specialisation(args))
+        key = (num_warps, *constexprs.values(), *_alignment(args))
         kernel = self._compiled.get(key)
         if kernel is None:
             kernel = self._launch[grid](*args, **constexprs, num_warps=num_warps)

@@ -40,20 +40,24 @@ def kept_probabilities(row, temperature: float, top_k: int = 0, top_p: float = 1
     return p / p.sum()
 
 
-def infinicore_random_sample(row, temperature: float, top_k: int, top_p: float, random_val: float) -> int:
-    """InfiniCore random_sample: descending order, cumulative softmax, threshold, first crossing."""
+def infinicore_random_sample(row, temperature: float, top_k: int, top_p: float, random_val: float,
+                             with_margin: bool = False):
+    """InfiniCore random_sample: descending order, cumulative softmax, threshold, first crossing.
+
+    ``with_margin``: also return how far (in probability) the threshold lies from the nearest
+    cumulative boundary: below float32 rounding, no float32 implementation decides the token.
+    """
     x = np.asarray(row, dtype=np.float64)
     if temperature == 0 or top_k == 1:
-        return int(np.argmax(x))
+        return (int(np.argmax(x)), np.inf) if with_margin else int(np.argmax(x))
     order = _descending(x)
     p = np.exp((x[order] - x.max()) / temperature)
     c = np.cumsum(p / p.sum())
     k = len(x) if top_k == 0 or top_k > len(x) else top_k
     threshold = random_val * min(top_p, c[k - 1])
-    for position in range(len(x)):
-        if c[position] >= threshold:
-            return int(order[position])
-    return int(order[-1])
+    position = min(int(np.searchsorted(c, threshold, side="left")), len(x) - 1)  # first c >= threshold
+    margin = min(c[position] - threshold, threshold - c[position - 1] if position else np.inf)
+    return (int(order[position]), margin) if with_margin else int(order[position])
 
 
 def test_kept_probabilities_by_hand():
