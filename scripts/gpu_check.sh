@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: the whole test suite (the CUDA tests included), then the
+# kernel and service benchmarks. Logs and tables land in $OUT (or ./gpu-results).
+#   run: bash scripts/gpu_check.sh [tests|kernels|service ...]   (carry .whl: health,
+#   reflection, cryptography and FlashInfer wheels; that machine has no network)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/device_env.sh || exit 1
+out="${OUT:-gpu-results}"
+mkdir -p "$out"
+steps=("${@:-tests kernels service}")
+for step in ${steps[*]}; do
+  case "$step" in
+    tests)  # grpcio-tools is not on that machine: the generated-code freshness test runs here only
+      python3 -m pytest tests -q -x -n 12 -p no:cacheprovider --ignore tests/test_protos_generated.py \
+        2>&1 | tee "$out/tests.log" | tail -25 ;;
+    kernels)
+      python3 -m bench.kernels --out "$out/kernels.md" 2>&1 | tee "$out/kernels.log" | tail -80 ;;
+    service)
+      python3 -m bench.service --device cuda:0 --calls 1000 --retries 2 --out "$out/service.md" \
+        2>&1 | tee "$out/service.log" | tail -30 ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
