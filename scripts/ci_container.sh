@@ -8,7 +8,8 @@
 # Measured on a 2-core machine (2026-11-22, other jobs running): from scratch 2.5 minutes
 # (apt-get ~13 s, debootstrap + import ~37 s, image build ~89 s, container up and tested ~6 s);
 # with the base image kept ~95 s; with podman's layer cache warm too (only the package layer
-# rebuilt) ~40 s. Set up .venv first (scripts/venv.sh) adds its own install time.
+# rebuilt) ~40 s. Making .venv (scripts/venv.sh) on a fresh clone adds ~45 s here: the whole
+# script from a fresh clone with the base image kept took 89 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
