@@ -10,8 +10,9 @@ flight), stops it, and prints one Markdown table. Servers:
 - ``echo``: ``bench.echo_server``, the transport floor: it receives the same request bytes and
   answers 8 bytes, doing no work;
 - ``batch off``: ``logitserve serve --max-batch-rows 1`` (every request is its own launch);
-- ``batch on``: ``logitserve serve --max-batch-rows 256 --max-delay-us 200`` (the server's
-  defaults; 256 rows let four 64-row RouteExperts requests share a launch, where 64 would not).
+- ``batch on``: ``logitserve serve --max-batch-rows 256 --max-delay-us 0`` (the server's
+  defaults: launch at once when the device is free, calls arriving meanwhile share the next
+  launch; 256 rows let four 64-row RouteExperts requests share a launch, where 64 would not).
 
 Payloads: Sample 1x128256 in bfloat16 and float32 (a pool of requests whose temperature,
 top_k, top_p and seed vary from call to call, so batched rows carry mixed parameters) and
@@ -168,7 +169,7 @@ def server_specs(device: str, backend: str, extra: Sequence[str]) -> list[Server
     return [
         ServerSpec("echo", [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1"], is_echo=True),
         ServerSpec("batch off", serve + ["--max-batch-rows", "1", "--max-delay-us", "0"]),
-        ServerSpec("batch on", serve + ["--max-batch-rows", "256", "--max-delay-us", "200"]),
+        ServerSpec("batch on", serve + ["--max-batch-rows", "256", "--max-delay-us", "0"]),
     ]
 
 
