@@ -41,8 +41,18 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
+# bench.kernels --no-compile clears this: Inductor builds one kernel per shape and dtype, which
+# costs minutes of a GPU lease; the table then says torch.compile rows were left out.
+COMPILE_BASELINES = True
+
+
 def maybe_compile(fn: Callable) -> Callable | None:
-    """``torch.compile(fn)``, or None where it cannot build here (reported, not hidden)."""
+    """``torch.compile(fn)``, or None where it is switched off or cannot build (reported, not hidden)."""
+    if not COMPILE_BASELINES:
+        return None
+    # Each function is compiled once per benchmarked shape and dtype; past dynamo's default
+    # limit of 8 recompiles it would silently run eager under the torch.compile label.
+    torch._dynamo.config.cache_size_limit = 256
     try:
         return torch.compile(fn, dynamic=False)
     except Exception as exc:  # noqa: BLE001 - a baseline that fails to build is skipped, with the reason printed

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from . import harness
 from .harness import copy_bandwidth_gbs, median_us
 
 OPS = ("softmax", "causal_softmax", "topk_softmax", "activation", "sample")
@@ -24,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ", ".join(OPS))
     parser.add_argument("--out", help="also write the table to this file")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baselines")
     args = parser.parse_args(argv)
+    harness.COMPILE_BASELINES = not args.no_compile
     if not torch.cuda.is_available():
         print("bench.kernels needs a CUDA device", file=sys.stderr)
         return 2
@@ -32,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbs = copy_bandwidth_gbs(device)
     lines = [
         f"{torch.cuda.get_device_name(device)}, {datetime.date.today()}, torch {torch.__version__}, "
-        f"triton {importlib.import_module('triton').__version__}; copy {copy_gbs:.1f} GB/s",
+        f"triton {importlib.import_module('triton').__version__}; copy {copy_gbs:.1f} GB/s"
+        + ("; torch.compile rows left out (--no-compile)" if args.no_compile else ""),
         "",
         "| op | shape | dtype | implementation | median us | GB/s | of copy |",
         "|---|---|---|---|---:|---:|---:|",

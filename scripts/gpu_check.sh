@@ -15,7 +15,7 @@ for step in ${steps[*]}; do
       python3 -m pytest tests -q -x -n 12 -p no:cacheprovider --ignore tests/test_protos_generated.py \
         2>&1 | tee "$out/tests.log" | tail -25 ;;
     kernels)
-      python3 -m bench.kernels --out "$out/kernels.md" 2>&1 | tee "$out/kernels.log" | tail -80 ;;
+      python3 -m bench.kernels ${BENCH_KERNELS_ARGS:-} --out "$out/kernels.md" 2>&1 | tee "$out/kernels.log" | tail -80 ;;
     service)
       python3 -m bench.service --device cuda:0 --calls 1000 --retries 2 --out "$out/service.md" \
         2>&1 | tee "$out/service.log" | tail -30 ;;
