@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable
-from ._sampling_select import key_bits_to_i64, key_from_i64, key_value, order_key, rel_weight, row_select_key, to_compute
+from ._sampling_select import key_bits_to_i64, key_value, order_key, rel_weight, row_select_key, to_compute
 
 INT32_MAX = tl.constexpr(2147483647)
 # Candidate slots per row. A top_k up to K_GATHER_MAX (or, without top_k, the K_GATHER_DEFAULT

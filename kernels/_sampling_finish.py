@@ -23,11 +23,11 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable
-from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_DONE, ROW_STATE_PASS1, ct_ptr_of, key_from_i64, row_params,
-                               ws_offsets, ws_ptr_of)
+from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_DONE, ROW_STATE_PASS1, ct_ptr_of, row_params, ws_offsets,
+                               ws_ptr_of)
 from ._sampling_noise import gumbel, row_keys, u64_halves, uniform_bits
-from ._sampling_select import (key_value, log2_weight, order_key, rel_weight, row_select_key, select_key_in_block,
-                               to_compute)
+from ._sampling_select import (key_from_i64, key_value, log2_weight, order_key, rel_weight, row_select_key,
+                               select_key_in_block, to_compute)
 
 
 @triton.jit

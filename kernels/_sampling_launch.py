@@ -12,9 +12,9 @@ besides the call's values: tensor dtypes, the logits' strides and width (integer
 divisible by 16). Of the per-call values the kernels leave only tensor alignment specialised
 (every other integer is ``do_not_specialize`` and within int32 by construction; floats are
 fp32). So it keys the compiled kernel by (constexprs, ``num_warps``, each tensor's 16-byte
-alignment); a miss costs one ordinary launch. It then calls ``CompiledKernel.run`` directly, with the launch metadata and hooks exactly as
-``JITFunction.run`` passes them last (so profilers still see the launch). The interpreter takes
-the ordinary path.
+alignment); a miss costs one ordinary launch. It then calls ``CompiledKernel.run`` directly,
+with the launch metadata and hooks exactly as ``JITFunction.run`` passes them last (so
+profilers still see the launch). The interpreter takes the ordinary path.
 """
 
 from __future__ import annotations
