@@ -81,6 +81,34 @@ def _interpreted(jit_fn, memo: dict, nested: bool = False) -> InterpretedFunctio
     return twin
 
 
+def _language_namespaces() -> list:
+    """Every object the interpreter's ``_patch_lang`` sets attributes on."""
+    objects = [tl, tl.core, tl.math, tl.tensor, tl.dtype, tl.core.tensor_descriptor_base]
+    return objects + [c for c in (getattr(tl.core, "condition", None),) if c is not None]
+
+
+@contextlib.contextmanager
+def _language_restored():
+    # A device-function call patches triton.language and drops the patch scope (upstream
+    # InterpretedFunction.__call__ does the same): harmless under TRITON_INTERPRET=1, but here
+    # compiled kernels share the process, and a leaked tl.core.program_id breaks their next
+    # compilation. Snapshot the namespaces and put back whatever the launch changed.
+    saved = [(obj, dict(vars(obj))) for obj in _language_namespaces()]
+    try:
+        yield
+    finally:
+        for obj, before in saved:
+            now = vars(obj)
+            for name in [n for n in now if n not in before]:
+                delattr(obj, name)
+            for name, value in before.items():
+                if now.get(name, _ABSENT) is not value:
+                    setattr(obj, name, value)
+
+
+_ABSENT = object()
+
+
 @contextlib.contextmanager
 def _jit_calls_interpreted(memo: dict):
     # Library helpers (tl.max, tl.sum, tl.topk, ...) are @triton.jit functions living in
@@ -98,7 +126,8 @@ def _jit_calls_interpreted(memo: dict):
     JITFunction.__call__ = call
     _patched_in_launch.clear()
     try:
-        yield
+        with _language_restored():
+            yield
     finally:
         JITFunction.__call__ = original
 
