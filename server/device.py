@@ -22,10 +22,11 @@ from .logs import get_logger, log_event
 
 log = get_logger("device")
 
-# Row widths warm-up compiles on the compiled backend: the vocabularies of Llama 2 (32000) and
-# Qwen 2 (151936; wider than one block, so it also takes the looping path Llama 3's 128256 uses).
+# Row widths warm-up compiles on the compiled backend: the vocabularies of Llama 2 (32000),
+# Llama 3 (128256) and Qwen 2 (151936); block and chunk sizes are chosen per width, so each
+# width a deployment serves should be here.
 # Interpreted and torch backends compile nothing, so a tiny width only checks the path works.
-TRITON_WARMUP_WIDTHS = (32000, 151936)
+TRITON_WARMUP_WIDTHS = (32000, 128256, 151936)
 CPU_WARMUP_WIDTHS = (64,)
 
 
