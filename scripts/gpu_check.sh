@@ -11,8 +11,10 @@ mkdir -p "$out"
 steps=("${@:-tests kernels service}")
 for step in ${steps[*]}; do
   case "$step" in
-    tests)  # grpcio-tools is not on that machine: the generated-code freshness test runs here only
-      python3 -m pytest tests -q -x -n 12 -p no:cacheprovider --ignore tests/test_protos_generated.py \
+    tests)  # The compiled backend and the full-size CUDA tests. The interpreter and torch paths are
+      # CI's (triton 3.9 here): triton 3.6's interpreter on that machine trips over NumPy 2 in
+      # the sampling kernels, and grpcio-tools (the proto freshness test) is not installed there.
+      python3 -m pytest tests -q -n 12 -p no:cacheprovider -k "triton or cuda" --ignore tests/test_protos_generated.py \
         2>&1 | tee "$out/tests.log" | tail -25 ;;
     kernels)
       python3 -m bench.kernels ${BENCH_KERNELS_ARGS:-} --out "$out/kernels.md" 2>&1 | tee "$out/kernels.log" | tail -80 ;;
