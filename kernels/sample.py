@@ -268,12 +268,16 @@ _RULES = {
 
 
 def _check_param(name: str, value, n_rows: int, integer: bool) -> None:
-    """Type and value rules for one parameter: a Python scalar, or a [B] tensor (values checked on the CPU)."""
+    """Type and value rules for one parameter: a Python scalar, or a [B] tensor (values checked on the CPU).
+
+    Float parameters are checked as the kernels read them, in float32: a temperature of 1e300
+    is infinite there, a top_p of 1e-300 is 0 and a random_val of 1 - 1e-12 is 1.
+    """
     rule, ok = _RULES[name]
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu" and value.ndim == 1 and value.shape[0] == n_rows and value.dtype in \
                 PARAM_DTYPES[name]:
-            bad = (~ok(value)).nonzero()
+            bad = (~ok(value if integer else value.to(torch.float32))).nonzero()
             if bad.numel():
                 row = bad[0, 0].item()
                 raise ValueError(f"{name} must be {rule}, got {value[row].item()} in row {row}")
@@ -282,8 +286,8 @@ def _check_param(name: str, value, n_rows: int, integer: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an int" if integer else "a float"
         raise TypeError(f"{name} must be {kind} or a [batch_size] tensor, got {type(value).__name__}")
-    if not ok(value):
-        raise ValueError(f"{name} must be {rule}, got {value}")
+    if not ok(value if integer else torch.tensor(value, dtype=torch.float32).item()):
+        raise ValueError(f"{name} must be {rule} in float32, got {value}")
 
 
 def _check_counter(name: str, value, low: int, high: int, text: str) -> None:

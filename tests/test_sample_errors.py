@@ -27,6 +27,10 @@ X = torch.zeros(3, 10)
     (dict(random_val=1.0), ValueError, r"random_val must be in \[0, 1\)"),
     (dict(random_val=-0.2), ValueError, r"random_val must be in \[0, 1\)"),
     (dict(random_val=0.5, min_p=0.1), ValueError, "min_p must be 0 when random_val is given"),
+    # Checked as the kernels read them, in float32.
+    (dict(temperature=1e300), ValueError, "temperature must be finite and >= 0 in float32, got 1e"),
+    (dict(top_p=1e-300), ValueError, r"top_p must be in \(0, 1\].* in float32, got 1e-300"),
+    (dict(random_val=1 - 1e-12), ValueError, r"random_val must be in \[0, 1\) in float32"),
     (dict(filter_order="nucleus_first"), ValueError, "filter_order must be one of"),
     (dict(out_dtype=torch.float32), TypeError, "out_dtype: dtype must be one of int32, int64"),
     (dict(seed=1 << 64), ValueError, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
@@ -66,6 +70,7 @@ def test_bad_logits(logits, error, match):
     (dict(top_p=torch.tensor([0.5, 0.0, 1.0])), ValueError, r"top_p must be in \(0, 1\].*row 1"),
     (dict(min_p=torch.tensor([0.0, 0.0, 2.0])), ValueError, r"min_p must be in \[0, 1\].*row 2"),
     (dict(random_val=torch.tensor([0.1, 1.0, 0.2])), ValueError, r"random_val must be in \[0, 1\).*row 1"),
+    (dict(top_p=torch.tensor([0.5, 1e-300, 1.0], dtype=torch.float64)), ValueError, r"top_p must be in \(0, 1\].*row 1"),
     (dict(random_val=torch.zeros(3), min_p=torch.tensor([0.0, 0.1, 0.0])), ValueError, "min_p must be 0 when"),
 ])
 def test_bad_per_row_tensors(kw, error, match):
