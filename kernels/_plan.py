@@ -57,6 +57,17 @@ def check_same_device(name: str, spec: TensorSpec, device: torch.device) -> None
         raise ValueError(f"{name}: must be on {device}, got {spec.device}")
 
 
+def check_out_like_x(out: TensorSpec, x: TensorSpec) -> None:
+    """An elementwise-shaped ``out``: x's device, dtype and shape, and no element written twice."""
+    check_same_device("out", out, x.device)
+    if out.dtype != x.dtype:
+        raise ValueError(f"out: dtype must equal x's ({x.dtype}), got {out.dtype}")
+    if out.shape != x.shape:
+        raise ValueError(f"out: shape must equal x's {x.shape}, got {out.shape}")
+    if any(st == 0 and size > 1 for size, st in zip(out.shape, out.strides)):
+        raise ValueError(f"out: must not overlap itself, got strides {out.strides} for shape {out.shape}")
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Kernels compute in float32, and in float64 for float64 input."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import resolve_backend
-from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_same_device, plan_cache
+from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_out_like_x, plan_cache
 from .reference import causal_softmax as reference
 from .softmax import SoftmaxLaunch, check_out
 
@@ -60,13 +60,7 @@ class CausalSoftmaxPlan:
         if t < s:
             raise ValueError(f"x: the last dim T must be >= the dim before it S (T >= S), got S={s}, T={t}")
         out = x if out is None else out
-        check_same_device("out", out, x.device)
-        if out.dtype != x.dtype:
-            raise ValueError(f"out: dtype must equal x's ({x.dtype}), got {out.dtype}")
-        if out.shape != x.shape:
-            raise ValueError(f"out: shape must equal x's {x.shape}, got {out.shape}")
-        if any(st == 0 and size > 1 for size, st in zip(out.shape, out.strides)):
-            raise ValueError(f"out: must not overlap itself, got strides {out.strides} for shape {out.shape}")
+        check_out_like_x(out, x)
         if max_block is not None and (max_block < 1 or max_block & (max_block - 1)):
             raise ValueError(f"max_block: must be a power of two >= 1, got {max_block}")
         self.x, self.out = x, out

@@ -29,7 +29,7 @@ import torch
 
 from ._backend import launchable, resolve_backend
 from ._launch import row_block_settings
-from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_same_device, compute_dtype, plan_cache
+from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_out_like_x, compute_dtype, plan_cache
 from .reference import softmax as reference
 
 # Kernel modes: a whole reduce axis per program; chunks that wait for each other; the two
@@ -352,13 +352,7 @@ class SoftmaxPlan:
                  max_block: int | None = None, cooperative: bool = True):
         check_dtype("x", x.dtype, FLOAT_DTYPES)
         out = x if out is None else out
-        check_same_device("out", out, x.device)
-        if out.dtype != x.dtype:
-            raise ValueError(f"out: dtype must equal x's ({x.dtype}), got {out.dtype}")
-        if out.shape != x.shape:
-            raise ValueError(f"out: shape must equal x's {x.shape}, got {out.shape}")
-        if any(st == 0 and size > 1 for size, st in zip(out.shape, out.strides)):
-            raise ValueError(f"out: must not overlap itself, got strides {out.strides} for shape {out.shape}")
+        check_out_like_x(out, x)
         rank = max(x.ndim, 1)
         if not -rank <= dim < rank:
             raise ValueError(f"dim: must be in [{-rank}, {rank - 1}] for a {x.ndim}-d x, got {dim}")
