@@ -68,6 +68,30 @@ def check_out_like_x(out: TensorSpec, x: TensorSpec) -> None:
         raise ValueError(f"out: must not overlap itself, got strides {out.strides} for shape {out.shape}")
 
 
+def check_tensor(name: str, value) -> None:
+    """Raise ``TypeError`` naming the argument when it is not a tensor."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: must be a torch.Tensor, got {type(value).__name__}")
+
+
+def check_out_aliasing(out: torch.Tensor, name: str, t: torch.Tensor) -> None:
+    """``out`` may be ``t`` itself (the same view: in place) or memory disjoint from it; a partial
+    overlap would have programs read what others already wrote."""
+    if out.numel() == 0 or t.numel() == 0 or out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+        return
+    if out.data_ptr() == t.data_ptr() and out.shape == t.shape and out.stride() == t.stride():
+        return
+
+    def span(v: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(v.shape, v.stride()))
+        return v.data_ptr(), v.data_ptr() + (last + 1) * v.element_size()
+
+    (a0, a1), (b0, b1) = span(out), span(t)
+    if a0 < b1 and b0 < a1:
+        raise ValueError(f"out: must be {name} itself (in place) or not overlap {name}; it overlaps {name} "
+                         "without being the same view")
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Kernels compute in float32, and in float64 for float64 input."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable, resolve_backend
-from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_same_device, plan_cache
+from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_out_aliasing, check_same_device, check_tensor, plan_cache
 from .reference import activation as reference
 
 MAX_RANK = 4
@@ -299,27 +299,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _check_out_overlap(out: torch.Tensor, name: str, t: torch.Tensor) -> None:
-    """``out`` may be ``t`` itself (same view) or memory disjoint from it; a partial overlap races."""
-    if out.numel() == 0 or t.numel() == 0 or out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
-        return
-    if out.data_ptr() == t.data_ptr() and out.shape == t.shape and out.stride() == t.stride():
-        return
-
-    def span(v):
-        last = sum((size - 1) * stride for size, stride in zip(v.shape, v.stride()))
-        return v.data_ptr(), v.data_ptr() + (last + 1) * v.element_size()
-
-    (a0, a1), (b0, b1) = span(out), span(t)
-    if a0 < b1 and b0 < a1:
-        raise ValueError(f"out: overlaps {name} without being the same view; in place, pass {name} itself as out")
-
-
 def silu(x: torch.Tensor, *, out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """``x * sigmoid(x)`` elementwise; float16, bfloat16, float32 or float64, any shape and strides.
 
@@ -330,10 +309,10 @@ def silu(x: torch.Tensor, *, out: torch.Tensor | None = None, backend: str = "au
     >>> silu(torch.tensor([0.0, 1.0]))
     tensor([0.0000, 0.7311])
     """
-    _check_tensor("x", x)
+    check_tensor("x", x)
     if out is not None:
-        _check_tensor("out", out)
-        _check_out_overlap(out, "x", x)
+        check_tensor("out", out)
+        check_out_aliasing(out, "x", x)
     plan = _cached_silu(TensorSpec.of(x), None if out is None else TensorSpec.of(out), backend=backend)
     return plan(x, out)
 
@@ -349,12 +328,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = N
     >>> swiglu(torch.tensor([1.0, -1.0]), torch.tensor([2.0, 2.0]))
     tensor([ 1.4621, -0.5379])
     """
-    _check_tensor("gate", gate)
-    _check_tensor("up", up)
+    check_tensor("gate", gate)
+    check_tensor("up", up)
     if out is not None:
-        _check_tensor("out", out)
-        _check_out_overlap(out, "gate", gate)
-        _check_out_overlap(out, "up", up)
+        check_tensor("out", out)
+        check_out_aliasing(out, "gate", gate)
+        check_out_aliasing(out, "up", up)
     plan = _cached_swiglu(TensorSpec.of(gate), TensorSpec.of(up), None if out is None else TensorSpec.of(out),
                           backend=backend)
     return plan(gate, up, out)

@@ -17,7 +17,7 @@ import torch
 from ._backend import resolve_backend
 from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_out_like_x, plan_cache
 from .reference import causal_softmax as reference
-from .softmax import SoftmaxLaunch, check_out
+from .softmax import SoftmaxLaunch, prepare_out
 
 # Elements per vector load on the causal boundary: 8 (16 bytes of float16/bfloat16). 1 reads
 # exactly the visible cells with unvectorised loads: 32 x 2048 x 2048 float16 took 200 us so
@@ -105,13 +105,6 @@ def causal_softmax(x: torch.Tensor, *, out: torch.Tensor | None = None, backend:
     -------
     >>> probs = causal_softmax(torch.randn(8, 4, 4096, device="cuda", dtype=torch.bfloat16))
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: must be a torch.Tensor, got {type(x).__name__}")
-    if out is None:
-        out = torch.empty_like(x)
-    elif not isinstance(out, torch.Tensor):
-        raise TypeError(f"out: must be a torch.Tensor, got {type(out).__name__}")
-    else:
-        check_out(x, out)
+    out = prepare_out(x, out)
     plan = _cached_plan(TensorSpec.of(x), TensorSpec.of(out), backend=backend)
     return plan(x, out)

@@ -29,7 +29,8 @@ import torch
 
 from ._backend import launchable, resolve_backend
 from ._launch import row_block_settings
-from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_out_like_x, compute_dtype, plan_cache
+from ._plan import (FLOAT_DTYPES, TensorSpec, check_dtype, check_out_aliasing, check_out_like_x, check_tensor,
+                    compute_dtype, plan_cache)
 from .reference import softmax as reference
 
 # Kernel modes: a whole reduce axis per program; chunks that wait for each other; the two
@@ -408,20 +409,14 @@ def _lead_indices(dims: list[tuple[int, int, int]]):
 _cached_plan = plan_cache(SoftmaxPlan)
 
 
-def check_out(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Raise ``ValueError`` when ``out`` shares memory with ``x`` without being ``x``'s own layout (in place)."""
-    if out.data_ptr() == x.data_ptr() and out.stride() == x.stride():
-        return
-    if out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
-        return
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((size - 1) * st for size, st in zip(t.shape, t.stride()) if size > 0)
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (x0, x1), (o0, o1) = span(x), span(out)
-    if x.numel() and out.numel() and x0 < o1 and o0 < x1:
-        raise ValueError("out: must be x itself (in place) or not overlap x")
+def prepare_out(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The functions' ``out``: a new tensor laid out like ``x``, or the caller's, checked."""
+    check_tensor("x", x)
+    if out is None:
+        return torch.empty_like(x)
+    check_tensor("out", out)
+    check_out_aliasing(out, "x", x)
+    return out
 
 
 def softmax(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None,
@@ -448,13 +443,6 @@ def softmax(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None,
     -------
     >>> probs = softmax(torch.randn(2, 32000, device="cuda"))
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: must be a torch.Tensor, got {type(x).__name__}")
-    if out is None:
-        out = torch.empty_like(x)
-    elif not isinstance(out, torch.Tensor):
-        raise TypeError(f"out: must be a torch.Tensor, got {type(out).__name__}")
-    else:
-        check_out(x, out)
+    out = prepare_out(x, out)
     plan = _cached_plan(TensorSpec.of(x), TensorSpec.of(out), dim=dim, backend=backend)
     return plan(x, out)

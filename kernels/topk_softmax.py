@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable, resolve_backend
-from ._plan import TensorSpec, check_dtype, plan_cache
+from ._plan import TensorSpec, check_dtype, check_tensor, plan_cache
 from .reference import topk_softmax as reference
 
 # The widest expert axis: one program holds a whole row of keys in registers (4096 float32
@@ -294,8 +294,7 @@ def topk_softmax(gate_logits: torch.Tensor, k: int, *, renormalize: bool = False
     >>> i.tolist(), round(w.sum().item(), 6)
     ([[1, 2]], 1.0)
     """
-    if not isinstance(gate_logits, torch.Tensor):
-        raise TypeError(f"gate_logits: must be a torch.Tensor, got {type(gate_logits).__name__}")
+    check_tensor("gate_logits", gate_logits)
     _check_option_types(k, renormalize)
     plan = _cached_plan(TensorSpec.of(gate_logits), k, renormalize=renormalize, backend=backend)
     return plan(gate_logits)
