@@ -35,6 +35,8 @@ log = get_logger("server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LogitServe"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _DTYPES_BY_NAME = {str(t).removeprefix("torch."): t for t in TORCH_DTYPES.values()}
+# Largest request header block (the authorization token travels there).
+METADATA_LIMIT_BYTES = 16 * 1024
 
 
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -75,6 +77,11 @@ class Service:
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),  # a second server on a taken port fails instead of sharing it
+            # gRPC refuses request headers between its soft (8 KiB) and hard (16 KiB) limits at
+            # random; one limit makes the answer deterministic: headers up to 16 KiB reach token
+            # auth (UNAUTHENTICATED when wrong), larger ones are always RESOURCE_EXHAUSTED.
+            ("grpc.max_metadata_size", METADATA_LIMIT_BYTES),
+            ("grpc.absolute_max_metadata_size", METADATA_LIMIT_BYTES),
         ])
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
