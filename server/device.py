@@ -1,9 +1,17 @@
-"""One device the kernels run on: torch device, backend, stream, executor thread, warm-up.
+"""One device the kernels run on: torch device, backend, stream, launch path, warm-up.
 
-Every launch for a device goes through its one executor thread (:meth:`DeviceHandle.submit`),
-so the event loop never blocks on a kernel and launches on a device never interleave. On CUDA
-the launches run on the handle's own stream and the thread waits for them before the results
-are read.
+:meth:`DeviceHandle.run` runs one launch at a time (an asyncio lock), so launches on a device
+never interleave, and returns once the device has finished it. Where it runs depends on what a
+launch costs the host:
+
+- compiled kernels on CUDA: on the event loop itself. The launch only queues work on the
+  handle's stream (about 100 us of Python); the loop then polls a CUDA event, serving other
+  calls between polls. Handing the launch to a thread instead cost more than the launch: on the
+  H100 host the thread's dozens of GIL hand-overs per launch waited on a busy event loop, up to
+  4 ms a batch at 64 calls in flight (bench/service_breakdown.py, docs/PERFORMANCE.md);
+- the torch reference and the interpreter compute on the host, for milliseconds: on the
+  handle's executor thread, so the loop keeps answering. Warm-up, which compiles for seconds,
+  runs there too.
 """
 
 from __future__ import annotations
@@ -47,7 +55,9 @@ class DeviceHandle:
         self.name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                      else platform.processor() or platform.machine() or "cpu")
         self.warmed_dtypes: list[torch.dtype] = []
+        self.launches_on_loop = self.stream is not None and self.backend == "triton"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"logitserve-{self.device}")
+        self._lock: asyncio.Lock | None = None  # made on first use, on the loop that uses it
 
     @property
     def properties(self) -> dict:
@@ -74,8 +84,27 @@ class DeviceHandle:
         return result
 
     async def submit(self, fn: Callable, *args):
-        """Run ``fn(*args)`` on this device's launch thread (and stream) without blocking the loop."""
+        """Run ``fn(*args)`` on this device's executor thread (and stream) without blocking the loop."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
+
+    async def run(self, fn: Callable, *args, compiling: bool = False):
+        """Run the launch ``fn(*args)`` alone on this device; return its result once finished.
+
+        ``fn`` queues its kernels on the current stream and may return host tensors still being
+        copied back (server.staging.to_host): they are complete when this returns. ``compiling``
+        (warm-up) keeps it off the event loop even where launches run on it.
+        """
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if compiling or not self.launches_on_loop:
+                return await self.submit(fn, *args)
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                result = fn(*args)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            await _finished(done)
+            return result
 
     async def warm_up(self, dtypes: tuple[torch.dtype, ...], make_cases: Callable) -> None:
         """Launch every case ``make_cases(dtype, widths)`` returns, logging progress per case.
@@ -88,7 +117,7 @@ class DeviceHandle:
         start = time.perf_counter()
         for i, (dtype, label, call) in enumerate(plan, 1):
             t0 = time.perf_counter()
-            await self.submit(type(call).run_batch, [call], self)
+            await self.run(type(call).run_batch, [call], self, compiling=True)
             log_event(log, "warmup", step=f"{i}/{len(plan)}", dtype=str(dtype).removeprefix("torch."), op=label,
                       seconds=round(time.perf_counter() - t0, 3))
             if dtype not in self.warmed_dtypes and all(d != dtype for d, _, _ in plan[i:]):
@@ -98,3 +127,19 @@ class DeviceHandle:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+# How long a launch's completion is polled on every turn of the event loop before the polls
+# space out. Nearly every launch the server makes finishes sooner (a 256-row sample: 150 us),
+# and a turn of the loop serves whatever else is ready, so a busy loop loses nothing; an idle one
+# spins at most this long. Beyond it asyncio's timers (about 1 ms here) pace the polls.
+SPIN_S = 0.002
+POLL_S = 0.0005
+
+
+async def _finished(event: torch.cuda.Event) -> None:
+    """Wait for ``event`` without blocking the loop (CUDA has no completion callback asyncio can await)."""
+    loop = asyncio.get_running_loop()
+    spin_until = loop.time() + SPIN_S
+    while not event.query():
+        await asyncio.sleep(0 if loop.time() < spin_until else POLL_S)

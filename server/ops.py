@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import struct
 from dataclasses import dataclass
 from typing import Union
 
@@ -22,6 +23,7 @@ from logitserve.kernels.topk_softmax import MAX_EXPERTS
 from logitserve.v1 import logitserve_pb2 as pb
 
 from .errors import TooLarge
+from .staging import Staging, to_host
 from .tensors import FLOATS, INTS, PB_DTYPES, field, from_torch, rows_param, to_torch
 
 MAX_RANK = 8
@@ -70,8 +72,12 @@ def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(torch.split(t, sizes)) if len(sizes) > 1 else [t]
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _to_device(handle, *groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each group of host tensors (one per call) stacked along dim 0; all moved in one transfer."""
+    stage = Staging()
+    for group in groups:
+        stage.add(group)
+    return stage.to(handle.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,9 +108,17 @@ def _float_param(msg, name: str, rows: int, default: float | None, ok, rule: str
     value = getattr(msg, name)
     if not ok(value):
         raise ValueError(f"{path}{name}: {rule}, got {value}")
-    if not ok(torch.tensor(value, dtype=torch.float64).float().item()):
+    if not ok(_as_float32(value)):
         raise ValueError(f"{path}{name}: {in_f32}, got {value}")
     return value
+
+
+def _as_float32(value: float) -> float:
+    """``value`` rounded to float32, as the kernels read it (beyond float32's range: infinity)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def _int_param(msg, name: str, rows: int, default: int | None, rule_min: int, path: str) -> Param | None:
@@ -127,16 +141,18 @@ def _draw_seeds(rows: int) -> torch.Tensor:
     return raw & (2**SEED_BITS - 1)
 
 
-def _merge(values: list[Param], rows: list[int], dtype: torch.dtype) -> Param:
-    """Batch one parameter: a scalar when every call has the same scalar, else a per-row tensor."""
-    if not any(isinstance(v, torch.Tensor) for v in values) and len(set(values)) == 1:
-        return values[0]
+# The sampling parameters as the kernels receive them from the server: float32, the precision
+# they compute in (from_pb checks values in it), and int64.
+PER_ROW_PARAMS = (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
+                  ("min_p", torch.float32), ("seed", torch.int64), ("step", torch.int64))
+
+
+def _per_row(values: list[Param], rows: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """One parameter of a batch of calls as one value per row (each call's scalar or tensor)."""
+    if not any(isinstance(v, torch.Tensor) for v in values):
+        return torch.tensor([v for v, r in zip(values, rows) for _ in range(r)], dtype=dtype)
     return torch.cat([v.to(dtype) if isinstance(v, torch.Tensor) else torch.full((r,), v, dtype=dtype)
                       for v, r in zip(values, rows)])
-
-
-def _on(value: Param | None, device: torch.device) -> Param | None:
-    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 @dataclass(eq=False)
@@ -198,20 +214,19 @@ class SampleCall:
     @staticmethod
     def run_batch(calls: list["SampleCall"], handle) -> list["SampleResult"]:
         rows = [c.rows for c in calls]
-        dev = handle.device
-
-        def merged(name: str, dtype: torch.dtype) -> Param:
-            return _on(_merge([getattr(c, name) for c in calls], rows, dtype), dev)
-
-        random_val = None if calls[0].random_val is None else merged("random_val", torch.float64)
-        tokens = kernels.sample(
-            _cat([c.logits for c in calls]).to(dev),
-            temperature=merged("temperature", torch.float64), top_k=merged("top_k", torch.int64),
-            top_p=merged("top_p", torch.float64), min_p=merged("min_p", torch.float64),
-            seed=merged("seed", torch.int64), step=merged("step", torch.int64),
-            filter_order=calls[0].filter_order, random_val=random_val, backend=handle.backend,
-        ).to("cpu")
-        return [SampleResult(t, c.seeds()) for t, c in zip(_split(tokens, rows), calls)]
+        stage = Staging()
+        stage.add([c.logits for c in calls])
+        # Every parameter goes to the kernel as a per-row tensor, whatever the calls sent: then
+        # one compiled variant per (dtype, vocabulary, filter order) serves every batch, and
+        # warm-up covers them all. Scalars where a batch happens to agree would pick a variant
+        # per mix of scalar and per-row parameters, compiled mid-traffic (seconds per call).
+        names = PER_ROW_PARAMS if calls[0].random_val is None else PER_ROW_PARAMS + (("random_val", torch.float32),)
+        for name, dtype in names:
+            stage.add([_per_row([getattr(c, name) for c in calls], rows, dtype)])
+        logits, *params = stage.to(handle.device)
+        tokens = kernels.sample(logits, **dict(zip((n for n, _ in names), params)),
+                                filter_order=calls[0].filter_order, backend=handle.backend)
+        return [SampleResult(t, c.seeds()) for t, c in zip(_split(to_host(tokens), rows), calls)]
 
 
 def _any_nonzero(value: Param) -> bool:
@@ -266,10 +281,10 @@ class RouteExpertsCall:
     @staticmethod
     def run_batch(calls: list["RouteExpertsCall"], handle) -> list["RouteExpertsResult"]:
         rows = [c.rows for c in calls]
-        weights, indices = kernels.topk_softmax(
-            _cat([c.gate_logits for c in calls]).to(handle.device), calls[0].k,
-            renormalize=calls[0].renormalize, backend=handle.backend)
-        weights, indices = weights.to("cpu"), indices.to("cpu")
+        gate_logits, = _to_device(handle, [c.gate_logits for c in calls])
+        weights, indices = kernels.topk_softmax(gate_logits, calls[0].k, renormalize=calls[0].renormalize,
+                                                backend=handle.backend)
+        weights, indices = to_host(weights), to_host(indices)
         return [RouteExpertsResult(w, i) for w, i in zip(_split(weights, rows), _split(indices, rows))]
 
 
@@ -333,11 +348,11 @@ class SoftmaxCall:
     def run_batch(calls: list["SoftmaxCall"], handle) -> list[TensorResult]:
         if len(calls) == 1:
             c = calls[0]
-            out = kernels.softmax(c.x.to(handle.device), dim=c.dim, backend=handle.backend)
-            return [TensorResult(out.to("cpu"), pb.SoftmaxResponse)]
+            x, = _to_device(handle, [c.x])
+            return [TensorResult(to_host(kernels.softmax(x, dim=c.dim, backend=handle.backend)), pb.SoftmaxResponse)]
         width = calls[0].x.shape[-1]
-        out = kernels.softmax(_cat([c.x.reshape(-1, width) for c in calls]).to(handle.device), dim=-1,
-                              backend=handle.backend).to("cpu")
+        x, = _to_device(handle, [c.x.reshape(-1, width) for c in calls])
+        out = to_host(kernels.softmax(x, dim=-1, backend=handle.backend))
         return [TensorResult(o.reshape(c.x.shape), pb.SoftmaxResponse)
                 for o, c in zip(_split(out, [c.rows for c in calls]), calls)]
 
@@ -370,8 +385,8 @@ class CausalSoftmaxCall:
     @staticmethod
     def run_batch(calls: list["CausalSoftmaxCall"], handle) -> list[TensorResult]:
         s, t = calls[0].x.shape[-2:]
-        stacked = _cat([c.x.reshape(-1, s, t) for c in calls]).to(handle.device)
-        out = kernels.causal_softmax(stacked, backend=handle.backend).to("cpu")
+        stacked, = _to_device(handle, [c.x.reshape(-1, s, t) for c in calls])
+        out = to_host(kernels.causal_softmax(stacked, backend=handle.backend))
         sizes = [c.x.numel() // (s * t) for c in calls]
         return [TensorResult(o.reshape(c.x.shape), pb.CausalSoftmaxResponse)
                 for o, c in zip(_split(out, sizes), calls)]
@@ -418,19 +433,21 @@ class SiluCall:
 
     @staticmethod
     def run_batch(calls: list["SiluCall"], handle) -> list[TensorResult]:
-        dev, backend = handle.device, handle.backend
+        backend = handle.backend
         if len(calls) == 1:
             c = calls[0]
-            out = (kernels.silu(c.x.to(dev), backend=backend) if c.up is None
-                   else kernels.swiglu(c.x.to(dev), c.up.to(dev), backend=backend))
-            return [TensorResult(out.to("cpu"), pb.SiluResponse)]
+            x, *up = _to_device(handle, [c.x]) if c.up is None else _to_device(handle, [c.x], [c.up])
+            out = kernels.silu(x, backend=backend) if c.up is None else kernels.swiglu(x, up[0], backend=backend)
+            return [TensorResult(to_host(out), pb.SiluResponse)]
         width = calls[0].x.shape[-1]
-        x = _cat([c.x.reshape(-1, width) for c in calls]).to(dev)
         if calls[0].up is None:
+            x, = _to_device(handle, [c.x.reshape(-1, width) for c in calls])
             out = kernels.silu(x, backend=backend)
         else:
-            out = kernels.swiglu(x, _cat([c.up.reshape(-1, width) for c in calls]).to(dev), backend=backend)
-        out = out.to("cpu")
+            x, up = _to_device(handle, [c.x.reshape(-1, width) for c in calls],
+                               [c.up.reshape(-1, width) for c in calls])
+            out = kernels.swiglu(x, up, backend=backend)
+        out = to_host(out)
         return [TensorResult(o.reshape(c.x.shape), pb.SiluResponse)
                 for o, c in zip(_split(out, [c.rows for c in calls]), calls)]
 
@@ -488,24 +505,22 @@ WARMUP_BATCH_ROWS = (1, 2, 16)
 def warmup_calls(dtype: torch.dtype, widths: tuple[int, ...]) -> list[tuple[str, object]]:
     """``(label, call)`` pairs that compile every operator for ``dtype`` at row ``widths``.
 
-    Sampling runs greedy, filtered and per-row variants, since kernels specialise on them, and
-    each at batch sizes 1, 2 and 16: Triton specialises integer arguments on being 1 and on
-    divisibility by 16, so these three cover every batch the batcher can form. Without them a
-    new batch size compiled mid-traffic (a 5 s p99 on the H100 service benchmark).
+    Sampling compiles one variant per filter order and one for random_val (the server passes
+    every parameter per row, see SampleCall.run_batch). Every op runs at batch sizes 1, 2 and
+    16: Triton specialises integer arguments on being 1 and on divisibility by 16, so these
+    three cover every batch the batcher can form. Without them a new kernel variant compiled
+    mid-traffic (a 5 s p99 on the H100 service benchmark).
     """
     gen = torch.Generator().manual_seed(0)
     cases: list[tuple[str, object]] = []
     for w in widths:
         for b in WARMUP_BATCH_ROWS:
             logits = torch.randn(b, w, generator=gen).to(dtype)
-            per_row = torch.linspace(0.5, 1.0, b, dtype=torch.float64)
-            top_k = torch.arange(b) % 50
-            seeds, steps = torch.arange(1, b + 1), torch.arange(b)
+            seeds = torch.arange(1, b + 1)
             cases += [
-                (f"sample greedy {b}x{w}", SampleCall(logits, 0.0, 0, 1.0, 0.0, 1, 0, "top_k_first", None)),
-                (f"sample top-k/top-p {b}x{w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, 1, 0, "top_k_first", None)),
-                (f"sample per-row {b}x{w}", SampleCall(logits, per_row, top_k, per_row, per_row * 0.1,
-                                                       seeds, steps, "top_k_first", None)),
+                (f"sample {b}x{w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, seeds, 0, "top_k_first", None)),
+                (f"sample joint {b}x{w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, seeds, 0, "joint", None)),
+                (f"sample random_val {b}x{w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, seeds, 0, "top_k_first", 0.5)),
                 (f"softmax {b}x{w}", SoftmaxCall(logits, 1)),
             ]
     x = torch.randn(2, 4, 8, generator=gen).to(dtype)

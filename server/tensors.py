@@ -64,20 +64,22 @@ def to_torch(msg: pb.Tensor, name: str, *, dtypes: tuple[torch.dtype, ...],
     for axis, size in enumerate(shape):
         if size < 1:
             raise ValueError(f"{name}.shape: dimension {axis} is {size}; sizes must be >= 1 (no empty tensors)")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    need = math.prod(shape) * itemsize
-    if len(msg.data) != need:
-        raise ValueError(f"{name}.data: {len(msg.data)} bytes, but shape {shape} of {dtype_name(dtype)} needs {need}")
+    need = math.prod(shape) * dtype.itemsize
+    data = msg.data  # each read of a bytes field makes a new bytes object: read it once
+    if len(data) != need:
+        raise ValueError(f"{name}.data: {len(data)} bytes, but shape {shape} of {dtype_name(dtype)} needs {need}")
     with warnings.catch_warnings():
         # torch warns that bytes are not writable; the tensor is only ever read (see docstring).
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(msg.data, dtype=dtype)
+        flat = torch.frombuffer(data, dtype=dtype)
     return flat.reshape(shape)
 
 
 def from_torch(t: torch.Tensor) -> pb.Tensor:
     """Encode a tensor (any device, any strides) as a Tensor message."""
-    t = t.detach().to("cpu").contiguous()
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
     shape = list(t.shape)
     flat = t.reshape(-1)
     # bytes of any dtype, numpy included or not (it has no bfloat16): view as raw bytes.

@@ -1,0 +1,83 @@
+"""The server on a GPU (compiled Triton kernels, launched from the event loop): every RPC equals
+the kernels called directly on the same device, alone and when concurrent calls share launches.
+Runs where CUDA is present (``-k cuda``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+import torch
+
+from logitserve import kernels
+from logitserve.client import Client
+from logitserve.server import ServerConfig
+from logitserve.server.testing import ServerThread
+
+pytestmark = pytest.mark.cuda
+DEVICE = "cuda:0"
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = ServerConfig(host="127.0.0.1", port=0, device=DEVICE, backend="triton", warmup_dtypes=("bfloat16",),
+                          max_batch_rows=256)
+    with ServerThread(config) as s:
+        assert s.service.handle.launches_on_loop
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.target, timeout=120) as c:
+        yield c
+
+
+def _logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+
+
+def _direct_sample(logits: torch.Tensor, **params) -> np.ndarray:
+    on_device = {k: torch.tensor(v, device=DEVICE) if isinstance(v, list) else v for k, v in params.items()}
+    return kernels.sample(logits.to(DEVICE), backend="triton", **on_device).cpu().numpy()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sample_per_row_and_scalar_parameters(client, dtype):
+    logits = _logits(4, 128256, dtype, seed=1)
+    rows = dict(temperature=[0.7, 1.0, 0.0, 1.3], top_k=[0, 50, 0, 20], top_p=[0.9, 1.0, 1.0, 0.5],
+                min_p=[0.0, 0.05, 0.0, 0.0], seed=[11, 12, 13, 14], step=[0, 3, 1, 7])
+    np.testing.assert_array_equal(client.sample(logits, **rows).token_ids, _direct_sample(logits, **rows))
+    scalars = dict(temperature=0.8, top_k=50, top_p=0.9, seed=5, step=2)
+    np.testing.assert_array_equal(client.sample(logits, **scalars).token_ids, _direct_sample(logits, **scalars))
+
+
+def test_concurrent_samples_share_launches_and_match_alone(server, client):
+    logits = _logits(48, 32000, torch.bfloat16, seed=2)
+    params = [dict(temperature=0.5 + 0.02 * i, top_k=(0, 20, 50)[i % 3], top_p=0.8 + 0.004 * i, seed=100 + i, step=i)
+              for i in range(48)]
+    alone = [client.sample(logits[i:i + 1], **p).token_ids[0] for i, p in enumerate(params)]
+    launches = server.service.batcher.launches
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda i: client.sample(logits[i:i + 1], **params[i]).token_ids[0], range(48)))
+    assert together == alone
+    assert server.service.batcher.launches - launches < 48
+
+
+def test_route_experts_softmax_and_activations(client):
+    gate = _logits(64, 256, torch.bfloat16, seed=3)
+    result = client.route_experts(gate, 8)
+    w, i = kernels.topk_softmax(gate.to(DEVICE), 8, backend="triton")
+    np.testing.assert_array_equal(result.weights, w.cpu().numpy())
+    np.testing.assert_array_equal(result.indices, i.cpu().numpy())
+
+    x = _logits(3, 4099, torch.float32, seed=4)
+    np.testing.assert_array_equal(client.softmax(x), kernels.softmax(x.to(DEVICE)).cpu().numpy())
+    scores = _logits(2 * 5, 9, torch.float32, seed=5).reshape(2, 5, 9)
+    np.testing.assert_array_equal(client.causal_softmax(scores), kernels.causal_softmax(scores.to(DEVICE)).cpu().numpy())
+    up = _logits(3, 4099, torch.float32, seed=6)
+    np.testing.assert_array_equal(client.silu(x), kernels.silu(x.to(DEVICE)).cpu().numpy())
+    np.testing.assert_array_equal(client.swiglu(x, up), kernels.swiglu(x.to(DEVICE), up.to(DEVICE)).cpu().numpy())
