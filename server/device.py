@@ -5,10 +5,10 @@ never interleave, and returns once the device has finished it. Where it runs dep
 launch costs the host:
 
 - compiled kernels on CUDA: on the event loop itself. The launch only queues work on the
-  handle's stream (about 100 us of Python); the loop then polls a CUDA event, serving other
-  calls between polls. Handing the launch to a thread instead cost more than the launch: on the
-  H100 host the thread's dozens of GIL hand-overs per launch waited on a busy event loop, up to
-  4 ms a batch at 64 calls in flight (bench/service_breakdown.py, docs/PERFORMANCE.md);
+  handle's stream; the executor thread waits for it (or the loop, when no other call is
+  queued). Launching from a thread cost more than the launch: on the H100 host that thread's
+  dozens of GIL hand-overs per launch each waited on the busy event loop, up to 4 ms a batch at
+  64 calls in flight. Polling the event from the loop starved gRPC's poller thread of the GIL;
 - the torch reference and the interpreter compute on the host, for milliseconds: on the
   handle's executor thread, so the loop keeps answering. Warm-up, which compiles for seconds,
   runs there too.
@@ -87,12 +87,13 @@ class DeviceHandle:
         """Run ``fn(*args)`` on this device's executor thread (and stream) without blocking the loop."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
 
-    async def run(self, fn: Callable, *args, compiling: bool = False):
+    async def run(self, fn: Callable, *args, compiling: bool = False, others_waiting: bool = True):
         """Run the launch ``fn(*args)`` alone on this device; return its result once finished.
 
         ``fn`` queues its kernels on the current stream and may return host tensors still being
         copied back (server.staging.to_host): they are complete when this returns. ``compiling``
-        (warm-up) keeps it off the event loop even where launches run on it.
+        (warm-up) keeps it off the event loop even where launches run on it. ``others_waiting``
+        false (nothing else queued) lets the loop wait for the GPU itself.
         """
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -101,9 +102,16 @@ class DeviceHandle:
                 return await self.submit(fn, *args)
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 result = fn(*args)
+            if others_waiting:
+                # The wait, GIL released, on the executor thread: the loop serves other calls
+                # meanwhile, and the batch they queue for the next launch grows.
                 done = torch.cuda.Event()
                 done.record(self.stream)
-            await _finished(done)
+                await asyncio.get_running_loop().run_in_executor(self._executor, done.synchronize)
+            else:
+                # Nothing to serve meanwhile: waiting here (GIL released, so gRPC's poller thread
+                # goes on receiving) skips two thread wake-ups, 400 us on the H100 host.
+                self.stream.synchronize()
             return result
 
     async def warm_up(self, dtypes: tuple[torch.dtype, ...], make_cases: Callable) -> None:
@@ -128,18 +136,3 @@ class DeviceHandle:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-
-# How long a launch's completion is polled on every turn of the event loop before the polls
-# space out. Nearly every launch the server makes finishes sooner (a 256-row sample: 150 us),
-# and a turn of the loop serves whatever else is ready, so a busy loop loses nothing; an idle one
-# spins at most this long. Beyond it asyncio's timers (about 1 ms here) pace the polls.
-SPIN_S = 0.002
-POLL_S = 0.0005
-
-
-async def _finished(event: torch.cuda.Event) -> None:
-    """Wait for ``event`` without blocking the loop (CUDA has no completion callback asyncio can await)."""
-    loop = asyncio.get_running_loop()
-    spin_until = loop.time() + SPIN_S
-    while not event.query():
-        await asyncio.sleep(0 if loop.time() < spin_until else POLL_S)

@@ -80,6 +80,11 @@ def _metadata(details_or_context) -> dict[str, str]:
     return {k: v for k, v in (md or ()) if isinstance(v, str)}
 
 
+def _request_id(context) -> str:
+    """The caller's ``x-request-id``, or a new one."""
+    return _metadata(context).get(REQUEST_ID_KEY) or uuid.uuid4().hex[:16]
+
+
 class _Undecodable:
     """Request bytes that do not parse as the method's message: answered INVALID_ARGUMENT (gRPC
     itself would answer UNKNOWN for a unary call and the stream would end INTERNAL)."""
@@ -130,6 +135,23 @@ def _rebuild(handler: grpc.RpcMethodHandler, unary=None, stream=None,
     return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kw)
 
 
+class _HandlerCache:
+    """Wrapped handlers by method, rebuilt only when the inner handler changes.
+
+    An interceptor runs for every call; building its wrapped handler once per method (rather
+    than per call) keeps that cost off the hot path. Per-call state lives in the wrappers.
+    """
+
+    def __init__(self):
+        self._by_method: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def get(self, method: str, handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
+        cached = self._by_method.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._by_method[method] = (handler, wrap(method, handler))
+        return cached[1]
+
+
 class ExceptionInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions to status codes; logs one line and records metrics per RPC.
 
@@ -139,31 +161,34 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics=None, is_draining=lambda: False):
         self._metrics = metrics
         self._is_draining = is_draining
+        self._wrapped = _HandlerCache()
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
-        rpc = details.method.rsplit("/", 1)[-1]
-        check_draining = not details.method.startswith(HEALTH_PREFIX)
-        request_id = _metadata(details).get(REQUEST_ID_KEY) or uuid.uuid4().hex[:16]
+        return self._wrapped.get(details.method, handler, self._wrap)
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        rpc = method.rsplit("/", 1)[-1]
+        check_draining = not method.startswith(HEALTH_PREFIX)
 
         def admit(record: CallRecord, context) -> None:
             # Runs inside the handler's task: the record it sets is that call's alone.
             _current.set(record)
-            context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+            context.set_trailing_metadata(((REQUEST_ID_KEY, record.request_id),))
             if check_draining and self._is_draining():
                 raise Draining("server is draining; retry on another replica")
 
         async def fail(exc: Exception, record: CallRecord, context) -> None:
             record.code, message = status_for(exc)
             if record.code == grpc.StatusCode.INTERNAL:
-                log_event(log, "fault", level=logging.ERROR, exc_info=exc, request_id=request_id, rpc=rpc)
+                log_event(log, "fault", level=logging.ERROR, exc_info=exc, request_id=record.request_id, rpc=rpc)
             await context.abort(record.code, message)
 
         def unary(behaviour):
             async def wrapped(request, context):
-                record, t0 = CallRecord(rpc, request_id), time.perf_counter()
+                record, t0 = CallRecord(rpc, _request_id(context)), time.perf_counter()
                 try:
                     admit(record, context)
                     return await behaviour(request, context)
@@ -186,7 +211,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                 return unary(behaviour)
 
             async def wrapped(request, context):
-                record, t0 = CallRecord(rpc, request_id), time.perf_counter()
+                record, t0 = CallRecord(rpc, _request_id(context)), time.perf_counter()
                 try:
                     admit(record, context)
                     async for response in behaviour(request, context):
@@ -247,11 +272,17 @@ class RequestDecodeInterceptor(grpc.aio.ServerInterceptor):
     without a valid token learns nothing of its request. Left to itself gRPC would answer a unary
     call UNKNOWN and end a stream INTERNAL."""
 
+    def __init__(self):
+        self._wrapped = _HandlerCache()
+
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
+        return self._wrapped.get(details.method, handler, self._wrap)
 
+    @staticmethod
+    def _wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         def wrap(behaviour):
             if inspect.isasyncgenfunction(behaviour):
                 async def stream(request, context):

@@ -136,23 +136,31 @@ def _int_param(msg, name: str, rows: int, default: int | None, rule_min: int, pa
     return value
 
 
-def _draw_seeds(rows: int) -> torch.Tensor:
-    raw = torch.frombuffer(bytearray(secrets.token_bytes(8 * rows)), dtype=torch.int64)
-    return raw & (2**SEED_BITS - 1)
+def _draw_seeds(rows: int) -> list[int]:
+    return [secrets.randbits(SEED_BITS) for _ in range(rows)]
 
 
-# The sampling parameters as the kernels receive them from the server: float32, the precision
-# they compute in (from_pb checks values in it), and int64.
-PER_ROW_PARAMS = (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
-                  ("min_p", torch.float32), ("seed", torch.int64), ("step", torch.int64))
+# The sampling parameters as the kernels receive them from the server, one value per row:
+# float32 (the precision they compute in; from_pb checks values in it) and int64.
+FLOAT_PARAMS = ("temperature", "top_p", "min_p")
+INT_PARAMS = ("top_k", "seed", "step")
 
 
-def _per_row(values: list[Param], rows: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """One parameter of a batch of calls as one value per row (each call's scalar or tensor)."""
-    if not any(isinstance(v, torch.Tensor) for v in values):
-        return torch.tensor([v for v, r in zip(values, rows) for _ in range(r)], dtype=dtype)
-    return torch.cat([v.to(dtype) if isinstance(v, torch.Tensor) else torch.full((r,), v, dtype=dtype)
-                      for v, r in zip(values, rows)])
+def _per_row(calls: list["SampleCall"], names: tuple[str, ...], width: int) -> list:
+    """The parameters ``names`` of a batch of calls, each as one value per row padded with zeros
+    to ``width`` values, in C order."""
+    values = []
+    for name in names:
+        for c in calls:
+            v = getattr(c, name)
+            if isinstance(v, torch.Tensor):
+                values += v.tolist()
+            elif isinstance(v, list):
+                values += v
+            else:
+                values += [v] * c.rows
+        values += [0] * (width - len(values) % width) if len(values) % width else []
+    return values
 
 
 @dataclass(eq=False)
@@ -164,7 +172,7 @@ class SampleCall:
     top_k: Param
     top_p: Param
     min_p: Param
-    seed: Param
+    seed: Param | list[int]  # a list: the seeds the server drew
     step: Param
     filter_order: str
     random_val: Param | None
@@ -206,26 +214,30 @@ class SampleCall:
     def key(self):
         return (self.op, self.logits.dtype, self.logits.shape[1], self.filter_order, self.random_val is None)
 
-    def seeds(self) -> torch.Tensor:
+    def seeds(self) -> list[int]:
         if isinstance(self.seed, torch.Tensor):
-            return self.seed
-        return torch.full((self.rows,), self.seed, dtype=torch.int64)
+            return self.seed.tolist()
+        return self.seed if isinstance(self.seed, list) else [self.seed] * self.rows
 
     @staticmethod
     def run_batch(calls: list["SampleCall"], handle) -> list["SampleResult"]:
         rows = [c.rows for c in calls]
+        n = sum(rows)
+        floats = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + ("random_val",)
         stage = Staging()
         stage.add([c.logits for c in calls])
         # Every parameter goes to the kernel as a per-row tensor, whatever the calls sent: then
         # one compiled variant per (dtype, vocabulary, filter order) serves every batch, and
         # warm-up covers them all. Scalars where a batch happens to agree would pick a variant
         # per mix of scalar and per-row parameters, compiled mid-traffic (seconds per call).
-        names = PER_ROW_PARAMS if calls[0].random_val is None else PER_ROW_PARAMS + (("random_val", torch.float32),)
-        for name, dtype in names:
-            stage.add([_per_row([getattr(c, name) for c in calls], rows, dtype)])
-        logits, *params = stage.to(handle.device)
-        tokens = kernels.sample(logits, **dict(zip((n for n, _ in names), params)),
-                                filter_order=calls[0].filter_order, backend=handle.backend)
+        # Each parameter's row starts 16-byte aligned whatever the batch size: Triton specialises
+        # on pointer alignment, and a batch size that moved it would compile a new variant.
+        width = -(-n // 4) * 4
+        stage.add_values(_per_row(calls, floats, width), torch.float32, (len(floats), width))
+        stage.add_values(_per_row(calls, INT_PARAMS, width), torch.int64, (len(INT_PARAMS), width))
+        logits, float_rows, int_rows = stage.to(handle.device)
+        params = dict(zip(floats + INT_PARAMS, (*float_rows[:, :n].unbind(), *int_rows[:, :n].unbind())))
+        tokens = kernels.sample(logits, **params, filter_order=calls[0].filter_order, backend=handle.backend)
         return [SampleResult(t, c.seeds()) for t, c in zip(_split(to_host(tokens), rows), calls)]
 
 
@@ -236,11 +248,16 @@ def _any_nonzero(value: Param) -> bool:
 @dataclass
 class SampleResult:
     token_ids: torch.Tensor
-    seeds: torch.Tensor
+    seeds: list[int]
 
     def to_pb(self) -> pb.SampleResponse:
-        ids = self.token_ids.to(torch.int64)
-        return pb.SampleResponse(token_ids=from_torch(ids), seeds=from_torch(self.seeds), valid=from_torch(ids >= 0))
+        # Built from Python ints with struct: a handful of torch calls per reply cost more here.
+        ids = self.token_ids.tolist()
+        n = len(ids)
+        return pb.SampleResponse(
+            token_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[n], data=struct.pack(f"<{n}q", *ids)),
+            seeds=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[n], data=struct.pack(f"<{n}q", *self.seeds)),
+            valid=pb.Tensor(dtype=pb.DTYPE_BOOL, shape=[n], data=bytes(i >= 0 for i in ids)))
 
 
 # ---------------------------------------------------------------------------------------------

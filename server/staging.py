@@ -11,6 +11,8 @@ queues a result's copy back into page-locked memory, read once the launch's stre
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 # Every part starts on a 16-byte boundary: Triton specialises on a pointer's 16-byte alignment,
@@ -23,44 +25,56 @@ def _aligned(n: int) -> int:
 
 
 class Staging:
-    """Host tensors laid out in one buffer; :meth:`to` copies it to a device and returns the parts.
+    """Host tensors and Python numbers laid out in one buffer; :meth:`to` copies it to a device.
 
         stage = Staging()
-        stage.add([c.logits for c in calls])                # one part: the pieces stacked on dim 0
-        stage.add([torch.tensor(values, dtype=torch.float32)])
-        logits, temperature = stage.to(device)              # the parts, in the order added
+        stage.add([c.logits for c in calls])                    # one part: the pieces stacked on dim 0
+        stage.add_values([0.8, 1.0, 0.9, 0.9], torch.float32, (2, 2))
+        logits, params = stage.to(device)                       # the parts, in the order added
+
+    Every torch call costs microseconds of host time (tens inside the busy server), so the
+    parts are few: numbers are packed with ``struct``, not made into tensors one by one.
     """
 
     def __init__(self):
-        self._parts: list[tuple[list[torch.Tensor], torch.Size, torch.dtype, int]] = []
+        self._parts: list[tuple[object, torch.Size, torch.dtype, int]] = []
         self._size = 0
 
     def add(self, pieces: list[torch.Tensor]) -> None:
         """One part: ``pieces`` (same dtype and trailing shape, rank >= 1) stacked along dim 0."""
         first = pieces[0]
         shape = torch.Size((sum(p.shape[0] for p in pieces), *first.shape[1:]))
-        nbytes = shape.numel() * first.element_size()
-        self._parts.append((pieces, shape, first.dtype, self._size))
-        self._size = _aligned(self._size + nbytes)
+        self._append(pieces, shape, first.dtype)
+
+    def add_values(self, values: list, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """One part: ``values`` (Python numbers, C order) as a ``dtype`` tensor of ``shape``."""
+        self._append(struct.pack(f"<{len(values)}{_STRUCT_CODES[dtype]}", *values), torch.Size(shape), dtype)
+
+    def _append(self, source, shape: torch.Size, dtype: torch.dtype) -> None:
+        self._parts.append((source, shape, dtype, self._size))
+        self._size = _aligned(self._size + shape.numel() * dtype.itemsize)
 
     def to(self, device: torch.device) -> list[torch.Tensor]:
         pinned = device.type == "cuda"
         host = torch.empty(max(self._size, ALIGN), dtype=torch.uint8, pin_memory=pinned)
-        for pieces, shape, dtype, offset in self._parts:
-            part = _view(host, offset, shape, dtype)
-            row = 0
-            for p in pieces:
-                part[row:row + p.shape[0]].copy_(p)
-                row += p.shape[0]
+        for source, shape, dtype, offset in self._parts:
+            if isinstance(source, bytes):
+                host[offset:offset + len(source)].copy_(torch.frombuffer(source, dtype=torch.uint8))
+            elif len(source) == 1:
+                _view(host, offset, shape, dtype).copy_(source[0])
+            else:
+                torch.cat(source, out=_view(host, offset, shape, dtype))
         # From page-locked memory the copy is asynchronous; the caching host allocator keeps the
         # buffer from reuse until the stream has read it.
         moved = host.to(device, non_blocking=True) if pinned else host
         return [_view(moved, offset, shape, dtype) for _, shape, dtype, offset in self._parts]
 
 
+_STRUCT_CODES = {torch.float32: "f", torch.float64: "d", torch.int32: "i", torch.int64: "q"}
+
+
 def _view(buffer: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    nbytes = shape.numel() * dtype.itemsize
-    return buffer[offset:offset + nbytes].view(dtype).view(shape)
+    return buffer[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ class FakeHandle:
         self.batches: list[list[int]] = []
         self.gate: asyncio.Event | None = None
 
-    async def run(self, fn, *args):
+    async def run(self, fn, *args, others_waiting=True):
         if self.gate is not None:
             await self.gate.wait()
         return fn(*args)
