@@ -169,7 +169,7 @@ def server_specs(device: str, backend: str, extra: Sequence[str]) -> list[Server
     return [
         ServerSpec("echo", [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1"], is_echo=True),
         ServerSpec("batch off", serve + ["--max-batch-rows", "1", "--max-delay-us", "0"]),
-        ServerSpec("batch on", serve + ["--max-batch-rows", "256"]),
+        ServerSpec("batch on", serve + ["--max-batch-rows", "256", "--max-delay-us", "0"]),
     ]
 
 

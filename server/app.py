@@ -27,7 +27,7 @@ from .device import DeviceHandle
 from .interceptors import ExceptionInterceptor, RequestDecodeInterceptor, TokenAuthInterceptor
 from .logs import get_logger, log_event
 from .metrics import Metrics
-from .servicer import BATCHED_RPCS, LogitServeServicer
+from .servicer import LogitServeServicer
 from .tensors import TORCH_DTYPES
 
 log = get_logger("server")
@@ -68,9 +68,7 @@ class Service:
         self.draining = False
         self._stopped: asyncio.Event | None = None
 
-        batched = frozenset(f"/{SERVICE_NAME}/{rpc}" for rpc in BATCHED_RPCS)
-        interceptors = [ExceptionInterceptor(self.metrics, is_draining=lambda: self.draining, batcher=self.batcher,
-                                             batched_methods=batched)]
+        interceptors = [ExceptionInterceptor(self.metrics, is_draining=lambda: self.draining)]
         if self.tokens is not None:
             interceptors.append(TokenAuthInterceptor(self.tokens))
         interceptors.append(RequestDecodeInterceptor())  # innermost: after auth

@@ -1,12 +1,9 @@
 """Dynamic batching: concurrent compatible calls share one kernel launch.
 
 Calls with equal ``key`` (same op, dtype, row width, and the op's static options) wait in one
-group. A group launches when it holds ``max_batch_rows`` rows, when its oldest call has waited
-``max_delay_s``, or at once when no other call is on its way: the server tells the batcher when
-an RPC that will submit starts (:meth:`Batcher.expect`, before gRPC has received its message)
-and when its handler runs (:meth:`Batcher.arrived`), so a lone call never waits, and calls
-being received join the next launch instead of each launching alone. While the device is busy
-with one launch, groups keep filling, so load itself makes batches bigger. One worker task per batcher takes ready groups oldest first and launches
+group. A group launches when it holds ``max_batch_rows`` rows or its oldest call has waited
+``max_delay_s``; while the device is busy with one launch, groups keep filling, so load itself
+makes batches bigger. One worker task per batcher takes ready groups oldest first and launches
 them through the device handle (:meth:`~.device.DeviceHandle.run`), one at a time. Before a
 launch, calls whose client cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. The queue
 is bounded: at ``max_queue`` waiting calls, :meth:`Batcher.submit` raises :class:`QueueFull` at
@@ -22,7 +19,6 @@ calls fail with INTERNAL) or sleep (a slow batch; CPU devices only, where it blo
 from __future__ import annotations
 
 import asyncio
-import collections
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,6 +27,8 @@ from .logs import get_logger, log_event
 
 log = get_logger("batcher")
 
+# Most turns of the event loop the worker yields before a launch for arriving calls to queue.
+SETTLE_TURNS = 8
 
 
 @dataclass(eq=False)
@@ -61,7 +59,6 @@ class Batcher:
         self.launches = 0  # kernel launches (a batch is one launch)
         self.batched_requests = 0  # calls those launches served
         self._groups: dict[object, _Group] = {}
-        self._expected: collections.deque[float] = collections.deque()  # start times of RPCs on their way
         self._queued = 0
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task | None = None
@@ -71,22 +68,6 @@ class Batcher:
     @property
     def queue_depth(self) -> int:
         return self._queued
-
-    def expect(self) -> None:
-        """An RPC that will submit calls has started (its message is still being received)."""
-        self._expected.append(asyncio.get_running_loop().time())
-
-    def arrived(self) -> None:
-        """An expected RPC's handler runs (and submits now, or fails validation)."""
-        if self._expected:
-            self._expected.popleft()
-
-    def _expecting(self, now: float) -> bool:
-        # An RPC whose client left before its message arrived never reports arrival: entries
-        # older than max_delay no longer hold launches back.
-        while self._expected and self._expected[0] <= now - self.max_delay_s:
-            self._expected.popleft()
-        return bool(self._expected)
 
     def start(self) -> None:
         if self._worker is None:
@@ -110,7 +91,8 @@ class Batcher:
         self._queued += 1
         self._set_depth()
         pending.future.add_done_callback(lambda _f: self._forget(key, pending))
-        self._wakeup.set()
+        if len(group.items) == 1 or group.rows >= self.max_batch_rows:
+            self._wakeup.set()  # a new group (the worker times its delay) or a full one
         return await pending.future
 
     def _forget(self, key, pending: _Pending) -> None:
@@ -133,9 +115,8 @@ class Batcher:
 
     def _take_ready(self, now: float) -> list[_Pending] | None:
         """Remove and return the calls of the oldest ready group, up to max_batch_rows rows."""
-        expecting = self._expecting(now)
         for key, group in self._groups.items():
-            if group.rows < self.max_batch_rows and group.ready_at > now and expecting:
+            if group.rows < self.max_batch_rows and group.ready_at > now:
                 continue
             batch, rows = [], 0
             while group.items and (not batch or rows + group.items[0].call.rows <= self.max_batch_rows):
@@ -156,21 +137,41 @@ class Batcher:
             return batch
         return None
 
+    def _next_ready_at(self) -> float | None:
+        return min((g.ready_at for g in self._groups.values()), default=None)
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            await self._let_arrivals_queue()
             batch = self._take_ready(loop.time())
             if batch is None:
                 self._wakeup.clear()
-                if self._groups:
-                    # Calls wait for expected ones: one turn of the loop lets those progress (a
-                    # timer would sleep a millisecond at least).
-                    await asyncio.sleep(0)
-                    continue
-                await self._wakeup.wait()  # submit opens a group
+                # Nothing ready: sleep until submit opens or fills a group, or until the oldest
+                # group's delay runs out.
+                ready_at = self._next_ready_at()
+                timeout = None if ready_at is None else max(ready_at - loop.time(), 0.0)
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
                 continue
             if batch:
                 await self._launch(batch, loop)
+
+    async def _let_arrivals_queue(self) -> None:
+        """Yield turns of the loop while they queue more calls (at most ``SETTLE_TURNS``).
+
+        gRPC hands the loop arrived requests a few at a time, and a launch on CUDA holds the loop
+        for its host work: without these turns the worker took the one call that had reached
+        :meth:`submit` and launched it alone, while the rest of 64 calls in flight waited behind
+        (one request per launch on the H100 host). An idle server pays one turn.
+        """
+        for _ in range(SETTLE_TURNS):
+            queued = self._queued
+            await asyncio.sleep(0)
+            if self._queued == queued:
+                return
 
     async def _launch(self, batch: list[_Pending], loop) -> None:
         calls = [p.call for p in batch]
@@ -184,7 +185,7 @@ class Batcher:
         self.batched_requests += len(calls)
         try:
             results = await self.handle.run(self._run_batch, type(calls[0]).run_batch, calls,
-                                            others_waiting=self._queued > 0 or bool(self._expected))
+                                            others_waiting=self._queued > 0)
         except Exception as exc:  # noqa: BLE001 - handed to the calls, or isolated below
             if len(batch) == 1:
                 self._resolve(batch[0], exc=exc)

@@ -42,7 +42,7 @@ FLAGS = (
     ("--device", str, None, "torch device: cuda:N or cpu (default: cuda:0 where torch sees a GPU, else cpu)"),
     ("--backend", str, _D.backend, "kernel backend: auto (triton on CUDA, torch on CPU), triton, interpret, torch"),
     ("--max-batch-rows", int, _D.max_batch_rows, "most rows the batcher puts into one launch"),
-    ("--max-delay-us", int, _D.max_delay_us, "longest a call waits for calls already being received (us; a lone call never waits)"),
+    ("--max-delay-us", int, _D.max_delay_us, "longest a call waits for others while the device is idle (us; 0: launch at once)"),
     ("--max-queue", int, _D.max_queue, "calls waiting for a launch before new ones get RESOURCE_EXHAUSTED"),
     ("--max-message-bytes", int, _D.max_message_bytes, "largest request or response message"),
     ("--max-vocab", int, _D.max_vocab, "widest row (vocabulary, experts, softmax width) in a request"),

@@ -156,29 +156,22 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions to status codes; logs one line and records metrics per RPC.
 
     ``is_draining()`` true turns new calls away with UNAVAILABLE (health checks excepted).
-    ``batcher`` (with the unary ``batched_methods`` that submit to it) hears when such a call
-    starts, before its message is received, and when its handler runs (Batcher.expect/arrived).
     """
 
-    def __init__(self, metrics=None, is_draining=lambda: False, batcher=None, batched_methods=frozenset()):
+    def __init__(self, metrics=None, is_draining=lambda: False):
         self._metrics = metrics
         self._is_draining = is_draining
-        self._batcher = batcher
-        self._batched_methods = batched_methods
         self._wrapped = _HandlerCache()
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
-        if details.method in self._batched_methods:
-            self._batcher.expect()
         return self._wrapped.get(details.method, handler, self._wrap)
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         rpc = method.rsplit("/", 1)[-1]
         check_draining = not method.startswith(HEALTH_PREFIX)
-        arrived = self._batcher.arrived if method in self._batched_methods else lambda: None
 
         def admit(record: CallRecord, context) -> None:
             # Runs inside the handler's task: the record it sets is that call's alone.
@@ -195,7 +188,6 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
 
         def unary(behaviour):
             async def wrapped(request, context):
-                arrived()
                 record, t0 = CallRecord(rpc, _request_id(context)), time.perf_counter()
                 try:
                     admit(record, context)

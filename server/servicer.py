@@ -26,10 +26,6 @@ async def _all(aws: dict[str, object]) -> dict[str, object]:
     return {name: task.result() for name, task in tasks.items()}
 
 
-# The unary RPCs whose calls go through the batcher (StreamSteps submits per message instead).
-BATCHED_RPCS = ("Sample", "RouteExperts", "Softmax", "CausalSoftmax", "Silu", "Step")
-
-
 class LogitServeServicer(pb_grpc.LogitServeServicer):
     """Handlers of ``logitserve.v1.LogitServe``; ``service`` is the running app (app.Service)."""
 

@@ -46,13 +46,6 @@ class ServerThread:
         host = self.config.host if self.config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
         return f"{host}:{self.port}"
 
-    def expect_a_call(self) -> None:
-        """Tell the batcher a call is on its way, as when an RPC starts and its message is still
-        arriving: queued calls then wait for it, up to ``max_delay_us`` from now."""
-        async def expect():
-            self.service.batcher.expect()
-        self.run(expect())
-
     def run(self, coro, timeout: float | None = 60.0):
         """Run ``coro`` on the server's loop and return its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

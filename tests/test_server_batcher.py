@@ -83,7 +83,6 @@ def test_full_group_launches_without_waiting_and_respects_max_rows():
     async def main():
         handle = FakeHandle()
         b = make(handle, max_batch_rows=4, max_delay_s=30.0)
-        b.expect()  # another call on its way: groups that are not full would wait for it
         t0 = time.monotonic()
         results = await asyncio.gather(*(b.submit(FakeCall(i, rows=2)) for i in range(6)))
         elapsed = time.monotonic() - t0
@@ -94,48 +93,6 @@ def test_full_group_launches_without_waiting_and_respects_max_rows():
     assert results == [i * 10 for i in range(6)]
     assert handle.batches == [[0, 1], [2, 3], [4, 5]]  # 4 rows each: full groups go at once
     assert elapsed < 5.0
-
-
-def test_a_lone_call_never_waits():
-    async def main():
-        handle = FakeHandle()
-        b = make(handle, max_delay_s=30.0)
-        t0 = time.monotonic()
-        result = await b.submit(FakeCall(7))
-        elapsed = time.monotonic() - t0
-        await b.close()
-        return result, elapsed
-
-    result, elapsed = run(main())
-    assert result == 70 and elapsed < 1.0
-
-
-def test_a_call_waits_for_one_on_its_way_at_most_max_delay():
-    async def main():
-        handle = FakeHandle()
-        b = make(handle, max_delay_s=5.0)
-        b.expect()  # as the server does when an RPC starts, before its message arrives
-        b.expect()
-        b.arrived()
-        first = asyncio.ensure_future(b.submit(FakeCall(0)))
-        await asyncio.sleep(0.05)
-        assert handle.batches == []  # waiting for the expected call
-        b.arrived()
-        second = await b.submit(FakeCall(1))
-
-        b2 = make(handle, max_delay_s=0.1)
-        b2.expect()  # its client leaves before the message arrives: the wait ends at max_delay
-        t0 = time.monotonic()
-        third = await b2.submit(FakeCall(2))
-        elapsed = time.monotonic() - t0
-        await b.close()
-        await b2.close()
-        return handle, [await first, second, third], elapsed
-
-    handle, results, elapsed = run(main())
-    assert results == [0, 10, 20]
-    assert handle.batches == [[0, 1], [2]]
-    assert 0.05 < elapsed < 2.0
 
 
 def test_load_makes_batches_while_the_device_is_busy():
@@ -161,7 +118,6 @@ def test_full_queue_answers_at_once():
     async def main():
         handle = FakeHandle()
         b = make(handle, max_queue=2, max_delay_s=30.0)
-        b.expect()  # the queued calls wait for a call on its way
         waiting = [asyncio.ensure_future(b.submit(FakeCall(i))) for i in range(2)]
         await asyncio.sleep(0.01)
         t0 = time.monotonic()
@@ -182,7 +138,6 @@ def test_cancelled_call_leaves_the_queue_and_never_launches():
     async def main():
         handle = FakeHandle()
         b = make(handle, max_delay_s=0.2)
-        b.expect()  # one more call on its way, which never comes: the others wait max_delay
         victim = asyncio.ensure_future(b.submit(FakeCall(1)))
         keeper = asyncio.ensure_future(b.submit(FakeCall(2)))
         await asyncio.sleep(0.01)

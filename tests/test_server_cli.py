@@ -136,7 +136,7 @@ def test_serve_process_metrics_sighup_and_sigterm_drain(tmp_path):
     tokens.write_text("first\n")
     metrics_port = _free_port()
     server = Process("--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--warmup-dtypes", "float32",
-                     "--grace-period-s", "20", "--auth-token-file", str(tokens),
+                     "--max-delay-us", "2000000", "--grace-period-s", "20", "--auth-token-file", str(tokens),
                      "--metrics-port", str(metrics_port), "--log-level", "info")
     try:
         listening = server.wait_for("listening")
@@ -162,10 +162,20 @@ def test_serve_process_metrics_sighup_and_sigterm_drain(tmp_path):
             c.softmax(x)
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
 
-        # SIGTERM drains and exits 0. (Calls in flight at the drain are tested in-process, in
-        # test_server_lifecycle, where the test can hold them in the batcher.)
+        outcome = {}
+
+        def in_flight():
+            with Client(target, token="second", timeout=30) as c:
+                outcome["out"] = c.softmax(x)
+
+        caller = threading.Thread(target=in_flight)
+        caller.start()
+        time.sleep(0.5)  # the call now waits in the batcher (2 s delay)
         server.proc.send_signal(signal.SIGTERM)
-        server.wait_for("draining")
+        draining = server.wait_for("draining")
+        assert draining["queued"] == 1
+        caller.join(30)
+        np.testing.assert_allclose(outcome["out"], 0.25)
         assert server.proc.wait(timeout=30) == 0
         server.wait_for("stopped")
     finally:
