@@ -27,8 +27,6 @@ from .logs import get_logger, log_event
 
 log = get_logger("batcher")
 
-# Most turns of the event loop the worker yields before a launch for arriving calls to queue.
-SETTLE_TURNS = 8
 
 
 @dataclass(eq=False)
@@ -143,7 +141,6 @@ class Batcher:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._let_arrivals_queue()
             batch = self._take_ready(loop.time())
             if batch is None:
                 self._wakeup.clear()
@@ -159,20 +156,6 @@ class Batcher:
             if batch:
                 await self._launch(batch, loop)
 
-    async def _let_arrivals_queue(self) -> None:
-        """Yield turns of the loop while they queue more calls (at most ``SETTLE_TURNS``).
-
-        gRPC hands the loop arrived requests a few at a time, and a launch on CUDA holds the loop
-        for its host work: without these turns the worker took the one call that had reached
-        :meth:`submit` and launched it alone, while the rest of 64 calls in flight waited behind
-        (one request per launch on the H100 host). An idle server pays one turn.
-        """
-        for _ in range(SETTLE_TURNS):
-            queued = self._queued
-            await asyncio.sleep(0)
-            if self._queued == queued:
-                return
-
     async def _launch(self, batch: list[_Pending], loop) -> None:
         calls = [p.call for p in batch]
         op = calls[0].op
@@ -184,8 +167,7 @@ class Batcher:
         self.launches += 1
         self.batched_requests += len(calls)
         try:
-            results = await self.handle.run(self._run_batch, type(calls[0]).run_batch, calls,
-                                            others_waiting=self._queued > 0)
+            results = await self.handle.run(self._run_batch, type(calls[0]).run_batch, calls)
         except Exception as exc:  # noqa: BLE001 - handed to the calls, or isolated below
             if len(batch) == 1:
                 self._resolve(batch[0], exc=exc)

@@ -20,8 +20,6 @@ from .logs import configure, get_logger, log_event
 log = get_logger("cli")
 ENV_PREFIX = "LOGITSERVE_"
 
-SWITCH_INTERVAL_S = 200e-6
-
 
 def _dtype_list(text: str) -> tuple[str, ...]:
     if text.strip().lower() in ("", "none"):
@@ -90,11 +88,6 @@ async def serve(config: ServerConfig) -> int:
     """Run until SIGTERM / SIGINT, then drain; 0 on a clean stop, 1 if warm-up failed."""
     from .app import create_server
 
-    # Three threads take turns on the GIL: the event loop, gRPC's completion-queue poller (it
-    # takes the GIL for every event it hands over) and the device's wait thread. A thread asking
-    # for a GIL the busy loop holds waits out the switch interval, 5 ms by default: that is the
-    # latency of each hand-over under load. 200 us bounds it at a small cost in switching.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     service, _port = create_server(config)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -1,17 +1,16 @@
-"""One device the kernels run on: torch device, backend, stream, launch path, warm-up.
+"""One device the kernels run on: torch device, backend, stream, executor thread, warm-up.
 
-:meth:`DeviceHandle.run` runs one launch at a time (an asyncio lock), so launches on a device
-never interleave, and returns once the device has finished it. Where it runs depends on what a
-launch costs the host:
+Every launch for a device goes through :meth:`DeviceHandle.run`, one at a time (an asyncio
+lock, so warm-up and requests never interleave) on the handle's executor thread: the event
+loop goes on receiving calls meanwhile, and they join the next launch, so batches grow with
+load. On CUDA the launches run on the handle's own stream and the thread waits for them before
+the results are read.
 
-- compiled kernels on CUDA: on the event loop itself. The launch only queues work on the
-  handle's stream; the executor thread waits for it (or the loop, when no other call is
-  queued). Launching from a thread cost more than the launch: on the H100 host that thread's
-  dozens of GIL hand-overs per launch each waited on the busy event loop, up to 4 ms a batch at
-  64 calls in flight. Polling the event from the loop starved gRPC's poller thread of the GIL;
-- the torch reference and the interpreter compute on the host, for milliseconds: on the
-  handle's executor thread, so the loop keeps answering. Warm-up, which compiles for seconds,
-  runs there too.
+Launching from the event loop instead was measured on the H100 host (Sample 1x128256 bf16): a
+lone call gained 0.5 ms (no thread hand-overs), but under load each launch held the loop for
+its host work, no call could be received meanwhile, batches stayed at one request and 64 calls
+in flight got 590 calls/s against 1,150 through the thread. Choosing per launch (the loop when
+no call waits) fell into the same single-request pattern under load.
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ class DeviceHandle:
         self.name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                      else platform.processor() or platform.machine() or "cpu")
         self.warmed_dtypes: list[torch.dtype] = []
-        self.launches_on_loop = self.stream is not None and self.backend == "triton"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"logitserve-{self.device}")
         self._lock: asyncio.Lock | None = None  # made on first use, on the loop that uses it
 
@@ -87,32 +85,13 @@ class DeviceHandle:
         """Run ``fn(*args)`` on this device's executor thread (and stream) without blocking the loop."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
 
-    async def run(self, fn: Callable, *args, compiling: bool = False, others_waiting: bool = True):
-        """Run the launch ``fn(*args)`` alone on this device; return its result once finished.
-
-        ``fn`` queues its kernels on the current stream and may return host tensors still being
-        copied back (server.staging.to_host): they are complete when this returns. ``compiling``
-        (warm-up) keeps it off the event loop even where launches run on it. ``others_waiting``
-        false (nothing else queued) lets the loop wait for the GPU itself.
-        """
+    async def run(self, fn: Callable, *args):
+        """Run the launch ``fn(*args)`` alone on this device's executor thread (and stream);
+        return its result once the device has finished it."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if compiling or not self.launches_on_loop:
-                return await self.submit(fn, *args)
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                result = fn(*args)
-            if others_waiting:
-                # The wait, GIL released, on the executor thread: the loop serves other calls
-                # meanwhile, and the batch they queue for the next launch grows.
-                done = torch.cuda.Event()
-                done.record(self.stream)
-                await asyncio.get_running_loop().run_in_executor(self._executor, done.synchronize)
-            else:
-                # Nothing to serve meanwhile: waiting here (GIL released, so gRPC's poller thread
-                # goes on receiving) skips two thread wake-ups, 400 us on the H100 host.
-                self.stream.synchronize()
-            return result
+            return await self.submit(fn, *args)
 
     async def warm_up(self, dtypes: tuple[torch.dtype, ...], make_cases: Callable) -> None:
         """Launch every case ``make_cases(dtype, widths)`` returns, logging progress per case.
@@ -125,7 +104,7 @@ class DeviceHandle:
         start = time.perf_counter()
         for i, (dtype, label, call) in enumerate(plan, 1):
             t0 = time.perf_counter()
-            await self.run(type(call).run_batch, [call], self, compiling=True)
+            await self.run(type(call).run_batch, [call], self)
             log_event(log, "warmup", step=f"{i}/{len(plan)}", dtype=str(dtype).removeprefix("torch."), op=label,
                       seconds=round(time.perf_counter() - t0, 3))
             if dtype not in self.warmed_dtypes and all(d != dtype for d, _, _ in plan[i:]):

@@ -33,7 +33,7 @@ class FakeHandle:
         self.batches: list[list[int]] = []
         self.gate: asyncio.Event | None = None
 
-    async def run(self, fn, *args, others_waiting=True):
+    async def run(self, fn, *args):
         if self.gate is not None:
             await self.gate.wait()
         return fn(*args)
