@@ -48,7 +48,9 @@ class Staging:
 
     def add_values(self, values: list, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """One part: ``values`` (Python numbers, C order) as a ``dtype`` tensor of ``shape``."""
-        self._append(struct.pack(f"<{len(values)}{_STRUCT_CODES[dtype]}", *values), torch.Size(shape), dtype)
+        # A bytearray, not bytes: torch.frombuffer warns on read-only memory.
+        packed = bytearray(struct.pack(f"<{len(values)}{_STRUCT_CODES[dtype]}", *values))
+        self._append(packed, torch.Size(shape), dtype)
 
     def _append(self, source, shape: torch.Size, dtype: torch.dtype) -> None:
         self._parts.append((source, shape, dtype, self._size))
@@ -58,7 +60,7 @@ class Staging:
         pinned = device.type == "cuda"
         host = torch.empty(max(self._size, ALIGN), dtype=torch.uint8, pin_memory=pinned)
         for source, shape, dtype, offset in self._parts:
-            if isinstance(source, bytes):
+            if isinstance(source, bytearray):
                 host[offset:offset + len(source)].copy_(torch.frombuffer(source, dtype=torch.uint8))
             elif len(source) == 1:
                 _view(host, offset, shape, dtype).copy_(source[0])
