@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import TOLERANCES, assert_close, poison, strided
+from helpers import assert_close, poison, strided
 from logitserve.kernels import FLOAT_DTYPES, SiluPlan, SwigluPlan, TensorSpec, silu, swiglu
 from logitserve.kernels.reference import activation as reference
 

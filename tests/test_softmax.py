@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA
-from helpers import TOLERANCES, assert_close, poison, strided
+from helpers import assert_close, poison, strided
 from logitserve.kernels import SoftmaxPlan, TensorSpec, softmax
 
 # The package's ``softmax`` attribute is the function; the module holds the plan cache.
