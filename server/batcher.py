@@ -4,16 +4,16 @@ Calls with equal ``key`` (same op, dtype, row width, and the op's static options
 group. A group launches when it holds ``max_batch_rows`` rows or its oldest call has waited
 ``max_delay_s``; while the device is busy with one launch, groups keep filling, so load itself
 makes batches bigger. One worker task per batcher takes ready groups oldest first and launches
-them through the device handle (:meth:`~.device.DeviceHandle.run`), one at a time. Before a
-launch, calls whose client cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. The queue
-is bounded: at ``max_queue`` waiting calls, :meth:`Batcher.submit` raises :class:`QueueFull` at
-once. When a launch of several calls fails, each call is retried alone, so one bad request
-cannot fail its neighbours.
+them through the device handle (:meth:`~.device.DeviceHandle.run`, on its executor thread: the
+event loop stays free), one at a time. Before a launch, calls whose client cancelled are gone
+and calls past their deadline fail with DEADLINE_EXCEEDED. The queue is bounded: at
+``max_queue`` waiting calls, :meth:`Batcher.submit` raises :class:`QueueFull` at once. When a
+launch of several calls fails, each call is retried alone, so one bad request cannot fail its
+neighbours.
 
 ``Batcher.before_launch`` is a test hook, set only in-process (tests, ``bench/server_process.py``)
-and never from the wire: called with a launch's calls just before the kernels run (on the
-device's executor thread, or on CUDA on the event loop), it can raise (a device fault: those
-calls fail with INTERNAL) or sleep (a slow batch; CPU devices only, where it blocks no loop).
+and never from the wire: called with a launch's calls on the device thread just before the
+kernels run, it can raise (a device fault: those calls fail with INTERNAL) or sleep (a slow batch).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from .errors import DeadlineExpired, Draining, QueueFull
 from .logs import get_logger, log_event
 
 log = get_logger("batcher")
-
 
 
 @dataclass(eq=False)
@@ -180,7 +179,7 @@ class Batcher:
             self._resolve(p, result=result)
 
     def _run_batch(self, run_batch, calls: list) -> list:
-        """In the device's launch (DeviceHandle.run): the test hook (if set), then the op's batched launch."""
+        """On the device thread: the test hook (if set), then the op's batched launch."""
         hook = self.before_launch
         if hook is not None:
             hook(calls)

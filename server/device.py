@@ -55,7 +55,7 @@ class DeviceHandle:
                      else platform.processor() or platform.machine() or "cpu")
         self.warmed_dtypes: list[torch.dtype] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"logitserve-{self.device}")
-        self._lock: asyncio.Lock | None = None  # made on first use, on the loop that uses it
+        self._lock = asyncio.Lock()  # one launch at a time: warm-up and the batcher share the device
 
     @property
     def properties(self) -> dict:
@@ -88,8 +88,6 @@ class DeviceHandle:
     async def run(self, fn: Callable, *args):
         """Run the launch ``fn(*args)`` alone on this device's executor thread (and stream);
         return its result once the device has finished it."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
         async with self._lock:
             return await self.submit(fn, *args)
 
@@ -114,4 +112,3 @@ class DeviceHandle:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
-
