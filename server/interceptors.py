@@ -135,39 +135,39 @@ def _rebuild(handler: grpc.RpcMethodHandler, unary=None, stream=None,
     return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kw)
 
 
-class _HandlerCache:
-    """Wrapped handlers by method, rebuilt only when the inner handler changes.
+class _WrappingInterceptor(grpc.aio.ServerInterceptor):
+    """An interceptor that wraps each method's handler (:meth:`_wrap`), built once per method.
 
-    An interceptor runs for every call; building its wrapped handler once per method (rather
-    than per call) keeps that cost off the hot path. Per-call state lives in the wrappers.
+    Interceptors run for every call; the wrapped handler is rebuilt only when the inner handler
+    changes, which keeps that cost off the hot path. Per-call state lives in the wrappers.
     """
 
     def __init__(self):
         self._by_method: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    def get(self, method: str, handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
-        cached = self._by_method.get(method)
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        cached = self._by_method.get(details.method)
         if cached is None or cached[0] is not handler:
-            cached = self._by_method[method] = (handler, wrap(method, handler))
+            cached = self._by_method[details.method] = (handler, self._wrap(details.method, handler))
         return cached[1]
 
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
 
-class ExceptionInterceptor(grpc.aio.ServerInterceptor):
+
+class ExceptionInterceptor(_WrappingInterceptor):
     """Maps exceptions to status codes; logs one line and records metrics per RPC.
 
     ``is_draining()`` true turns new calls away with UNAVAILABLE (health checks excepted).
     """
 
     def __init__(self, metrics=None, is_draining=lambda: False):
+        super().__init__()
         self._metrics = metrics
         self._is_draining = is_draining
-        self._wrapped = _HandlerCache()
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        return self._wrapped.get(details.method, handler, self._wrap)
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         rpc = method.rsplit("/", 1)[-1]
@@ -266,23 +266,13 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         return _rebuild(handler, deny_unary, deny_stream)
 
 
-class RequestDecodeInterceptor(grpc.aio.ServerInterceptor):
+class RequestDecodeInterceptor(_WrappingInterceptor):
     """Innermost: request bytes that do not parse as the method's message raise ``ValueError``
     inside the handler (INVALID_ARGUMENT through :class:`ExceptionInterceptor`), so a caller
     without a valid token learns nothing of its request. Left to itself gRPC would answer a unary
     call UNKNOWN and end a stream INTERNAL."""
 
-    def __init__(self):
-        self._wrapped = _HandlerCache()
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        return self._wrapped.get(details.method, handler, self._wrap)
-
-    @staticmethod
-    def _wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         def wrap(behaviour):
             if inspect.isasyncgenfunction(behaviour):
                 async def stream(request, context):
