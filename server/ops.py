@@ -24,7 +24,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 
 from .errors import TooLarge
 from .staging import Staging, to_host
-from .tensors import FLOATS, INTS, PB_DTYPES, field, from_torch, rows_param, to_torch
+from .tensors import FLOATS, INTS, PB_DTYPES, field, from_torch, from_values, rows_param, to_torch
 
 MAX_RANK = 8
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -251,13 +251,10 @@ class SampleResult:
     seeds: list[int]
 
     def to_pb(self) -> pb.SampleResponse:
-        # Built from Python ints with struct: a handful of torch calls per reply cost more here.
+        # Built from Python ints: a handful of torch calls per reply cost more here.
         ids = self.token_ids.tolist()
-        n = len(ids)
-        return pb.SampleResponse(
-            token_ids=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[n], data=struct.pack(f"<{n}q", *ids)),
-            seeds=pb.Tensor(dtype=pb.DTYPE_INT64, shape=[n], data=struct.pack(f"<{n}q", *self.seeds)),
-            valid=pb.Tensor(dtype=pb.DTYPE_BOOL, shape=[n], data=bytes(i >= 0 for i in ids)))
+        return pb.SampleResponse(token_ids=from_values(ids, torch.int64), seeds=from_values(self.seeds, torch.int64),
+                                 valid=from_values([i >= 0 for i in ids], torch.bool))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ queues a result's copy back into page-locked memory, read once the launch's stre
 
 from __future__ import annotations
 
-import struct
-
 import torch
+
+from .tensors import pack
 
 # Every part starts on a 16-byte boundary: Triton specialises on a pointer's 16-byte alignment,
 # so an unaligned part would compile (and warm up) a second kernel.
@@ -49,8 +49,7 @@ class Staging:
     def add_values(self, values: list, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """One part: ``values`` (Python numbers, C order) as a ``dtype`` tensor of ``shape``."""
         # A bytearray, not bytes: torch.frombuffer warns on read-only memory.
-        packed = bytearray(struct.pack(f"<{len(values)}{_STRUCT_CODES[dtype]}", *values))
-        self._append(packed, torch.Size(shape), dtype)
+        self._append(bytearray(pack(values, dtype)), torch.Size(shape), dtype)
 
     def _append(self, source, shape: torch.Size, dtype: torch.dtype) -> None:
         self._parts.append((source, shape, dtype, self._size))
@@ -70,9 +69,6 @@ class Staging:
         # buffer from reuse until the stream has read it.
         moved = host.to(device, non_blocking=True) if pinned else host
         return [_view(moved, offset, shape, dtype) for _, shape, dtype, offset in self._parts]
-
-
-_STRUCT_CODES = {torch.float32: "f", torch.float64: "d", torch.int32: "i", torch.int64: "q"}
 
 
 def _view(buffer: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
