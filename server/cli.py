@@ -31,6 +31,15 @@ def _dtype_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def _switch(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("on", "true", "1", "yes"):
+        return True
+    if value in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r}: must be on or off")
+
+
 # (flag, type, ServerConfig field default, help). Defaults come from ServerConfig, so the
 # dataclass stays the one place they are written.
 _D = ServerConfig()
@@ -39,6 +48,8 @@ FLAGS = (
     ("--port", int, _D.port, "port to listen on (0 picks a free one)"),
     ("--device", str, None, "torch device: cuda:N or cpu (default: cuda:0 where torch sees a GPU, else cpu)"),
     ("--backend", str, _D.backend, "kernel backend: auto (triton on CUDA, torch on CPU), triton, interpret, torch"),
+    ("--cuda-graphs", _switch, "on" if _D.cuda_graphs else "off",
+     "replay Sample and RouteExperts launches from CUDA graphs (on, off)"),
     ("--max-batch-rows", int, _D.max_batch_rows, "most rows the batcher puts into one launch"),
     ("--max-delay-us", int, _D.max_delay_us, "longest a call waits for others while the device is idle (us; 0: launch at once)"),
     ("--max-queue", int, _D.max_queue, "calls waiting for a launch before new ones get RESOURCE_EXHAUSTED"),

@@ -27,6 +27,9 @@ class ServerConfig:
     device: str | None = None
     # "auto" is triton on CUDA and the torch reference on the CPU.
     backend: str = "auto"
+    # Replay Sample and RouteExperts launches from CUDA graphs, one per op key and power-of-two
+    # batch size (server/graphs.py); False launches every batch eagerly. CUDA with triton only.
+    cuda_graphs: bool = True
     # Dynamic batching: most rows in one launch, and the longest a request waits for others
     # while the device is idle. 0 launches at once when the device is free, and calls that
     # arrive during a launch share the next one: batches grow with load and a lone call pays

@@ -11,6 +11,10 @@ lone call gained 0.5 ms (no thread hand-overs), but under load each launch held 
 its host work, no call could be received meanwhile, batches stayed at one request and 64 calls
 in flight got 590 calls/s against 1,150 through the thread. Choosing per launch (the loop when
 no call waits) fell into the same single-request pattern under load.
+
+Ops launch through :meth:`DeviceHandle.launch`: on CUDA with the compiled backend a batch
+replays a CUDA graph of its launch (server/graphs.py) unless it is too large for one; otherwise,
+and on the CPU, it runs eagerly.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import torch
 
 from logitserve import kernels
 
+from .graphs import Launch, LaunchGraphs
 from .logs import get_logger, log_event
+from .staging import Staging, to_host
 
 log = get_logger("device")
 
@@ -40,7 +46,7 @@ CPU_WARMUP_WIDTHS = (64,)
 class DeviceHandle:
     """A torch device with its backend, CUDA stream (None on the CPU) and launch thread."""
 
-    def __init__(self, device: str, backend: str = "auto"):
+    def __init__(self, device: str, backend: str = "auto", cuda_graphs: bool = True):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
@@ -51,6 +57,9 @@ class DeviceHandle:
                 raise ValueError(f"device: {device} asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
         self.backend = kernels.resolve_backend(backend, self.device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # The interpreter and torch backends have no kernels a graph could capture.
+        self.graphs = (LaunchGraphs(self.device, self.stream)
+                       if cuda_graphs and self.stream is not None and self.backend == "triton" else None)
         self.name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                      else platform.processor() or platform.machine() or "cpu")
         self.warmed_dtypes: list[torch.dtype] = []
@@ -71,6 +80,20 @@ class DeviceHandle:
     def plan_cache_size(self) -> int:
         """Kernel descriptors cached in this process (every op's bounded cache)."""
         return kernels.plan_cache_size()
+
+    def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[torch.Tensor]:
+        """On the executor thread: an op's batched launch; its outputs on the host.
+
+        ``stage_for(n)`` lays out the batch's inputs for ``n`` rows (``n >= rows``: the rows past
+        the batch are padding); ``launch`` maps their device tensors to output tensors whose dim 0
+        is rows. Calls with equal ``key`` have the same launch (see server/graphs.py). Returns the
+        outputs' first ``rows`` rows, valid once the stream is done (:meth:`run` waits for it).
+        """
+        if self.graphs is not None:
+            outputs = self.graphs.run(key, rows, stage_for, launch)
+            if outputs is not None:
+                return outputs
+        return [to_host(out) for out in launch(*stage_for(rows).to(self.device))]
 
     def _run(self, fn: Callable, *args):
         if self.stream is None:

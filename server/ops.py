@@ -222,23 +222,31 @@ class SampleCall:
     @staticmethod
     def run_batch(calls: list["SampleCall"], handle) -> list["SampleResult"]:
         rows = [c.rows for c in calls]
-        n = sum(rows)
         floats = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + ("random_val",)
-        stage = Staging()
-        stage.add([c.logits for c in calls])
-        # Every parameter goes to the kernel as a per-row tensor, whatever the calls sent: then
-        # one compiled variant per (dtype, vocabulary, filter order) serves every batch, and
-        # warm-up covers them all. Scalars where a batch happens to agree would pick a variant
-        # per mix of scalar and per-row parameters, compiled mid-traffic (seconds per call).
-        # Each parameter's row starts 16-byte aligned whatever the batch size: Triton specialises
-        # on pointer alignment, and a batch size that moved it would compile a new variant.
-        width = -(-n // 4) * 4
-        stage.add_values(_per_row(calls, floats, width), torch.float32, (len(floats), width))
-        stage.add_values(_per_row(calls, INT_PARAMS, width), torch.int64, (len(INT_PARAMS), width))
-        logits, float_rows, int_rows = stage.to(handle.device)
-        params = dict(zip(floats + INT_PARAMS, (*float_rows[:, :n].unbind(), *int_rows[:, :n].unbind())))
-        tokens = kernels.sample(logits, **params, filter_order=calls[0].filter_order, backend=handle.backend)
-        return [SampleResult(t, c.seeds()) for t, c in zip(_split(to_host(tokens), rows), calls)]
+        filter_order = calls[0].filter_order
+
+        def stage_for(batch_rows: int) -> Staging:
+            stage = Staging()
+            stage.add([c.logits for c in calls], rows=batch_rows)
+            # Every parameter goes to the kernel as a per-row tensor, whatever the calls sent: then
+            # one compiled variant per (dtype, vocabulary, filter order) serves every batch, and
+            # warm-up covers them all. Scalars where a batch happens to agree would pick a variant
+            # per mix of scalar and per-row parameters, compiled mid-traffic (seconds per call).
+            # Each parameter's row starts 16-byte aligned whatever the batch size: Triton
+            # specialises on pointer alignment, and a batch size that moved it would compile a
+            # new variant. Padding rows get zeros: a top_p of 0 makes the kernel answer -1 there.
+            width = -(-batch_rows // 4) * 4
+            stage.add_values(_per_row(calls, floats, width), torch.float32, (len(floats), width))
+            stage.add_values(_per_row(calls, INT_PARAMS, width), torch.int64, (len(INT_PARAMS), width))
+            return stage
+
+        def launch(logits, float_rows, int_rows):
+            b = logits.shape[0]
+            params = dict(zip(floats + INT_PARAMS, (*float_rows[:, :b].unbind(), *int_rows[:, :b].unbind())))
+            return (kernels.sample(logits, **params, filter_order=filter_order, backend=handle.backend),)
+
+        tokens, = handle.launch(calls[0].key, sum(rows), stage_for, launch)
+        return [SampleResult(t, c.seeds()) for t, c in zip(_split(tokens, rows), calls)]
 
 
 def _any_nonzero(value: Param) -> bool:
@@ -295,10 +303,17 @@ class RouteExpertsCall:
     @staticmethod
     def run_batch(calls: list["RouteExpertsCall"], handle) -> list["RouteExpertsResult"]:
         rows = [c.rows for c in calls]
-        gate_logits, = _to_device(handle, [c.gate_logits for c in calls])
-        weights, indices = kernels.topk_softmax(gate_logits, calls[0].k, renormalize=calls[0].renormalize,
-                                                backend=handle.backend)
-        weights, indices = to_host(weights), to_host(indices)
+        k, renormalize = calls[0].k, calls[0].renormalize
+
+        def stage_for(batch_rows: int) -> Staging:
+            stage = Staging()
+            stage.add([c.gate_logits for c in calls], rows=batch_rows)
+            return stage
+
+        def launch(gate_logits):
+            return kernels.topk_softmax(gate_logits, k, renormalize=renormalize, backend=handle.backend)
+
+        weights, indices = handle.launch(calls[0].key, sum(rows), stage_for, launch)
         return [RouteExpertsResult(w, i) for w, i in zip(_split(weights, rows), _split(indices, rows))]
 
 

@@ -32,43 +32,71 @@ class Staging:
         stage.add_values([0.8, 1.0, 0.9, 0.9], torch.float32, (2, 2))
         logits, params = stage.to(device)                       # the parts, in the order added
 
+    or, into a buffer that outlives it (a CUDA graph's inputs, server/graphs.py),
+    ``stage.write(host)`` and ``stage.views(device_buffer)``.
+
     Every torch call costs microseconds of host time (tens inside the busy server), so the
     parts are few: numbers are packed with ``struct``, not made into tensors one by one.
     """
 
     def __init__(self):
-        self._parts: list[tuple[object, torch.Size, torch.dtype, int]] = []
+        self._parts: list[tuple[object, torch.Size, torch.dtype, int, int]] = []  # source, shape, dtype, offset, rows filled
         self._size = 0
 
-    def add(self, pieces: list[torch.Tensor]) -> None:
-        """One part: ``pieces`` (same dtype and trailing shape, rank >= 1) stacked along dim 0."""
+    def add(self, pieces: list[torch.Tensor], rows: int | None = None) -> None:
+        """One part: ``pieces`` (same dtype and trailing shape, rank >= 1) stacked along dim 0.
+
+        ``rows`` (at least the pieces' rows) pads the part to that many: the rows past the pieces
+        are left as the buffer holds them (a padded batch for a CUDA graph of that size).
+        """
         first = pieces[0]
-        shape = torch.Size((sum(p.shape[0] for p in pieces), *first.shape[1:]))
-        self._append(pieces, shape, first.dtype)
+        stacked = sum(p.shape[0] for p in pieces)
+        shape = torch.Size((stacked if rows is None else rows, *first.shape[1:]))
+        self._append(pieces, shape, first.dtype, stacked)
 
     def add_values(self, values: list, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """One part: ``values`` (Python numbers, C order) as a ``dtype`` tensor of ``shape``."""
         # A bytearray, not bytes: torch.frombuffer warns on read-only memory.
-        self._append(bytearray(pack(values, dtype)), torch.Size(shape), dtype)
+        shape = torch.Size(shape)
+        self._append(bytearray(pack(values, dtype)), shape, dtype, shape[0])
 
-    def _append(self, source, shape: torch.Size, dtype: torch.dtype) -> None:
-        self._parts.append((source, shape, dtype, self._size))
+    def _append(self, source, shape: torch.Size, dtype: torch.dtype, filled_rows: int) -> None:
+        self._parts.append((source, shape, dtype, self._size, filled_rows))
         self._size = _aligned(self._size + shape.numel() * dtype.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the buffer the parts fill."""
+        return max(self._size, ALIGN)
+
+    @property
+    def layout(self) -> tuple[tuple[torch.Size, torch.dtype, int], ...]:
+        """Each part's shape, dtype and byte offset: buffers of equal layout take each other's parts."""
+        return tuple((shape, dtype, offset) for _, shape, dtype, offset, _ in self._parts)
+
+    def write(self, host: torch.Tensor) -> None:
+        """Copy the parts into ``host``, a uint8 CPU tensor of at least :attr:`nbytes`."""
+        for source, shape, dtype, offset, filled_rows in self._parts:
+            if isinstance(source, bytearray):
+                host[offset:offset + len(source)].copy_(torch.frombuffer(source, dtype=torch.uint8))
+                continue
+            dst = _view(host, offset, shape, dtype)[:filled_rows]
+            if len(source) == 1:
+                dst.copy_(source[0])
+            else:
+                torch.cat(source, out=dst)
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """The parts as tensors viewing ``buffer`` (laid out as :meth:`write` fills it)."""
+        return [_view(buffer, offset, shape, dtype) for shape, dtype, offset in self.layout]
 
     def to(self, device: torch.device) -> list[torch.Tensor]:
         pinned = device.type == "cuda"
-        host = torch.empty(max(self._size, ALIGN), dtype=torch.uint8, pin_memory=pinned)
-        for source, shape, dtype, offset in self._parts:
-            if isinstance(source, bytearray):
-                host[offset:offset + len(source)].copy_(torch.frombuffer(source, dtype=torch.uint8))
-            elif len(source) == 1:
-                _view(host, offset, shape, dtype).copy_(source[0])
-            else:
-                torch.cat(source, out=_view(host, offset, shape, dtype))
+        host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.write(host)
         # From page-locked memory the copy is asynchronous; the caching host allocator keeps the
         # buffer from reuse until the stream has read it.
-        moved = host.to(device, non_blocking=True) if pinned else host
-        return [_view(moved, offset, shape, dtype) for _, shape, dtype, offset in self._parts]
+        return self.views(host.to(device, non_blocking=True) if pinned else host)
 
 
 def _view(buffer: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

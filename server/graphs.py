@@ -1,0 +1,116 @@
+"""Batched launches replayed from CUDA graphs: a batch's host work is one buffer fill and one replay.
+
+Launched eagerly, a Sample batch costs about forty torch and Triton calls on the host: the
+page-locked staging buffer and its copy, the plan lookup, three kernel launches and the copy
+back. In the server each of them releases the GIL and waits to take it back from the event
+loop, so the launch thread's host work, not the GPU, sets the pace (bench/service_breakdown.py).
+
+A :class:`CapturedLaunch` is one op's launch for one batch size, captured once together with
+its inputs' copy to the device and its outputs' copy back, over a static page-locked buffer and
+a static device buffer. A batch is padded up to the next power of two of its rows
+(:func:`bucket_rows`), so a few graphs per op key serve every batch; the padding rows hold
+whatever an earlier batch left there, and their outputs are never read. :class:`LaunchGraphs`
+keeps them per (key, bucket), captured on first use and dropped least recently used beyond a
+byte budget of page-locked memory.
+
+A captured launch replays what the launch function did while it was captured: only its input
+tensors' contents change between replays, so the function must depend on nothing but its
+inputs and the key (dtype, row width, static options), which is what the ops' batching keys hold.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from .staging import Staging
+
+# Batches whose staged inputs exceed this launch eagerly: there the copies, not the host calls,
+# take the time, and graphs of that size would pin a lot of memory. 16 MiB is 64 rows of a
+# 128256-token vocabulary in bfloat16.
+GRAPH_MAX_BYTES = 16 << 20
+# Page-locked input buffers kept for graphs, all keys together (device memory is as much again).
+GRAPH_BUDGET_BYTES = 1 << 30
+
+Launch = Callable[..., tuple[torch.Tensor, ...]]
+
+
+def bucket_rows(rows: int) -> int:
+    """The batch size a graph is captured for: the next power of two of ``rows``."""
+    return 1 << (rows - 1).bit_length()
+
+
+class CapturedLaunch:
+    """``launch`` over the inputs laid out as ``stage``, captured as a CUDA graph on ``stream``."""
+
+    def __init__(self, stage: Staging, launch: Launch, device: torch.device, stream: torch.cuda.Stream):
+        self.layout = stage.layout
+        self.nbytes = stage.nbytes
+        self._stream = stream
+        self._host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        self._device = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        inputs = stage.views(self._device)
+        # Run once before capturing: it compiles the kernels and builds their plans, which a
+        # capture cannot (the inputs are zeros; the outputs are discarded).
+        with torch.cuda.stream(stream):
+            outputs = launch(*inputs)
+        stream.synchronize()
+        self._outputs = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outputs]
+        self._graph = torch.cuda.CUDAGraph()
+        # thread_local: the capture tolerates CUDA calls other threads may make meanwhile.
+        with torch.cuda.graph(self._graph, stream=stream, capture_error_mode="thread_local"):
+            self._device.copy_(self._host, non_blocking=True)
+            for host, out in zip(self._outputs, launch(*inputs)):
+                host.copy_(out, non_blocking=True)
+
+    def __call__(self, stage: Staging, rows: int) -> list[torch.Tensor]:
+        """Run the graph on ``stage`` (laid out as captured); the outputs' first ``rows`` rows, on the host."""
+        if stage.layout != self.layout:
+            raise RuntimeError(f"staged inputs {stage.layout} do not match the captured layout {self.layout}")
+        stage.write(self._host)
+        self._graph.replay()
+        self._stream.synchronize()
+        # Copies: the static outputs are overwritten by the next replay.
+        return [out[:rows].clone() for out in self._outputs]
+
+
+class LaunchGraphs:
+    """Captured launches of one device, per (op key, bucket), least recently used dropped first."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream, *, max_bytes: int = GRAPH_MAX_BYTES,
+                 budget_bytes: int = GRAPH_BUDGET_BYTES):
+        self.device, self.stream = device, stream
+        self.max_bytes, self.budget_bytes = max_bytes, budget_bytes
+        self._graphs: OrderedDict[tuple, CapturedLaunch] = OrderedDict()
+        self._bytes = 0
+        self.captures = 0
+        self.replays = 0
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[torch.Tensor] | None:
+        """``launch`` on ``stage_for(bucket)`` from its graph (captured now if new); None when the
+        batch is too large for a graph and should launch eagerly."""
+        bucket = bucket_rows(rows)
+        stage = stage_for(bucket)
+        if stage.nbytes > self.max_bytes:
+            return None
+        graph = self._graphs.get((key, bucket))
+        if graph is None:
+            graph = self._capture((key, bucket), stage, launch)
+        else:
+            self._graphs.move_to_end((key, bucket))
+        self.replays += 1
+        return graph(stage, rows)
+
+    def _capture(self, name: tuple, stage: Staging, launch: Launch) -> CapturedLaunch:
+        while self._graphs and self._bytes + stage.nbytes > self.budget_bytes:
+            _, dropped = self._graphs.popitem(last=False)
+            self._bytes -= dropped.nbytes
+        graph = self._graphs[name] = CapturedLaunch(stage, launch, self.device, self.stream)
+        self._bytes += graph.nbytes
+        self.captures += 1
+        return graph

@@ -1,0 +1,122 @@
+"""CUDA-graph launches (server/graphs.py): a batch replayed from its bucket's graph gives exactly what
+the eager launch and the kernels called directly give, whatever the padding rows hold; graphs are
+reused per (key, bucket), large batches launch eagerly, and the byte budget drops old graphs.
+Runs where CUDA is present (``-k cuda``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from logitserve import kernels
+from logitserve.server.device import DeviceHandle
+from logitserve.server.graphs import LaunchGraphs
+from logitserve.server.ops import RouteExpertsCall, SampleCall
+
+pytestmark = pytest.mark.cuda
+DEVICE = "cuda:0"
+
+
+@pytest.fixture(scope="module")
+def handles():
+    graphed, eager = DeviceHandle(DEVICE, "triton"), DeviceHandle(DEVICE, "triton", cuda_graphs=False)
+    assert graphed.graphs is not None and eager.graphs is None
+    yield graphed, eager
+    graphed.close()
+    eager.close()
+
+
+def _sample_calls(sizes: list[int], vocab: int, dtype: torch.dtype, seed: int, **options) -> list[SampleCall]:
+    g = torch.Generator().manual_seed(seed)
+    calls = []
+    for i, rows in enumerate(sizes):
+        logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+        temperature = torch.rand(rows, generator=g) + 0.3
+        top_k = torch.randint(0, 60, (rows,), generator=g)
+        seeds = torch.randint(0, 2**62, (rows,), generator=g).tolist()
+        calls.append(SampleCall(logits, temperature, top_k, 0.9, 0.0, seeds, i, options.get("filter_order", "top_k_first"),
+                                options.get("random_val")))
+    return calls
+
+
+def _direct(call: SampleCall) -> np.ndarray:
+    def on_device(v):
+        return v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+
+    return kernels.sample(call.logits.to(DEVICE), temperature=on_device(call.temperature), top_k=on_device(call.top_k),
+                          top_p=call.top_p, min_p=call.min_p, seed=torch.tensor(call.seed, device=DEVICE),
+                          step=call.step, filter_order=call.filter_order,
+                          random_val=call.random_val, backend="triton").cpu().numpy()
+
+
+# Batches in an order that leaves earlier, larger batches' rows in a bucket's padding.
+SAMPLE_BATCHES = [[20, 20], [17, 16], [1], [3], [2, 3], [1] * 9, [1, 1], [40]]
+
+
+@pytest.mark.parametrize("dtype,vocab,options", [
+    (torch.bfloat16, 128256, {}),
+    (torch.float32, 32000, {"filter_order": "joint"}),
+    (torch.float16, 1000, {"random_val": 0.3}),
+])
+def test_sample_batches_replayed_equal_eager_and_direct(handles, dtype, vocab, options):
+    graphed, eager = handles
+    replays = graphed.graphs.replays
+    for i, sizes in enumerate(SAMPLE_BATCHES):
+        calls = _sample_calls(sizes, vocab, dtype, seed=i, **options)
+        from_graph = graphed._run(SampleCall.run_batch, calls, graphed)
+        from_eager = eager._run(SampleCall.run_batch, calls, eager)
+        for call, g, e in zip(calls, from_graph, from_eager):
+            np.testing.assert_array_equal(g.token_ids.numpy(), e.token_ids.numpy())
+            np.testing.assert_array_equal(g.token_ids.numpy(), _direct(call))
+            assert g.seeds == e.seeds == call.seed
+    assert graphed.graphs.replays - replays == len(SAMPLE_BATCHES)
+
+
+def test_route_experts_replayed_equal_direct(handles):
+    graphed, _ = handles
+    g = torch.Generator().manual_seed(7)
+    for sizes in ([64, 64, 7], [5], [64]):
+        calls = [RouteExpertsCall(torch.randn(rows, 256, generator=g).to(torch.bfloat16), 8, True) for rows in sizes]
+        results = graphed._run(RouteExpertsCall.run_batch, calls, graphed)
+        for call, r in zip(calls, results):
+            w, i = kernels.topk_softmax(call.gate_logits.to(DEVICE), 8, renormalize=True, backend="triton")
+            np.testing.assert_array_equal(r.weights.numpy(), w.cpu().numpy())
+            np.testing.assert_array_equal(r.indices.numpy(), i.cpu().numpy())
+
+
+def test_graphs_are_reused_per_key_and_bucket(handles):
+    graphed, _ = handles
+    calls = _sample_calls([5], 4096, torch.float32, seed=1)
+    graphed._run(SampleCall.run_batch, calls, graphed)
+    captures = graphed.graphs.captures
+    for sizes in ([6], [7, 1], [8]):  # bucket 8, as the first
+        graphed._run(SampleCall.run_batch, _sample_calls(sizes, 4096, torch.float32, seed=2), graphed)
+    assert graphed.graphs.captures == captures
+    graphed._run(SampleCall.run_batch, _sample_calls([9], 4096, torch.float32, seed=3), graphed)  # bucket 16
+    assert graphed.graphs.captures == captures + 1
+
+
+def test_large_batches_launch_eagerly_and_the_budget_drops_old_graphs(handles):
+    graphed, _ = handles
+    graphs = LaunchGraphs(graphed.device, graphed.stream, max_bytes=64 * 4096 * 4, budget_bytes=3 * 16 * 4096 * 4)
+
+    def launch(x):
+        return (x * 2,)
+
+    def stage_for(rows):
+        def make(batch_rows):
+            from logitserve.server.staging import Staging
+
+            stage = Staging()
+            stage.add([torch.full((rows, 4096), float(rows))], rows=batch_rows)
+            return stage
+        return make
+
+    with torch.cuda.device(graphed.device), torch.cuda.stream(graphed.stream):
+        assert graphs.run("big", 65, stage_for(65), launch) is None  # 128 rows of 16 KiB: over max_bytes
+        for key in ("a", "b", "c", "d"):
+            out, = graphs.run(key, 9, stage_for(9), launch)
+            assert out.shape == (9, 4096) and bool((out == 18).all())
+    assert graphs.captures == 4 and len(graphs) == 3  # each 16 rows of 16 KiB; the budget holds three

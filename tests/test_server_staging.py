@@ -1,0 +1,45 @@
+"""Staging (server/staging.py) and graph buckets (server/graphs.py) on the CPU: parts land 16-byte
+aligned in one buffer, padded parts leave their padding rows alone, and a buffer written for one
+batch takes another of the same layout."""
+
+from __future__ import annotations
+
+import torch
+
+from logitserve.server.graphs import bucket_rows
+from logitserve.server.staging import ALIGN, Staging
+
+
+def _stage(pieces: list[torch.Tensor], values: list[float], rows: int | None = None) -> Staging:
+    stage = Staging()
+    stage.add(pieces, rows=rows)
+    stage.add_values(values, torch.float32, (2, len(values) // 2))
+    return stage
+
+
+def test_parts_are_stacked_aligned_and_returned_in_order():
+    a, b = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), torch.arange(3, dtype=torch.bfloat16).reshape(1, 3)
+    stage = _stage([a, b], [0.5, 1.0, 2.0, 3.0])
+    stacked, values = stage.to(torch.device("cpu"))
+    assert torch.equal(stacked, torch.cat([a, b]))
+    assert torch.equal(values, torch.tensor([[0.5, 1.0], [2.0, 3.0]]))
+    assert [offset for _, _, offset in stage.layout] == [0, 2 * ALIGN]  # 18 bytes of bfloat16, then aligned
+    assert stage.nbytes == 2 * ALIGN + 16
+
+
+def test_padded_part_leaves_its_padding_rows_as_the_buffer_holds_them():
+    host = torch.full((4096,), 0xAB, dtype=torch.uint8)
+    first = _stage([torch.ones(5, 4)], [1.0] * 8, rows=8)
+    first.write(host)
+    second = _stage([torch.zeros(2, 4)], [7.0] * 8, rows=8)
+    assert second.layout == first.layout  # the same bucket: one buffer serves both
+    second.write(host)
+    stacked, values = second.views(host)
+    assert stacked.shape == (8, 4)
+    assert bool((stacked[:2] == 0).all()) and bool((stacked[2:5] == 1).all())  # rows 2..4 from the first batch
+    assert bool((stacked[5:].view(torch.uint8) == 0xAB).all())  # never written
+    assert bool((values == 7.0).all())
+
+
+def test_bucket_rows_is_the_next_power_of_two():
+    assert [bucket_rows(n) for n in (1, 2, 3, 4, 5, 16, 17, 64, 65)] == [1, 2, 4, 4, 8, 16, 32, 64, 128]
