@@ -63,6 +63,7 @@ class Service:
         self.batcher = Batcher(self.handle, max_batch_rows=config.max_batch_rows,
                                max_delay_s=config.max_delay_us * 1e-6, max_queue=config.max_queue,
                                metrics=self.metrics)
+        self.metrics.queue_depth.set_function(lambda: self.batcher.queue_depth)
         self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
         self.health = health.aio.HealthServicer()
         self.draining = False

@@ -86,7 +86,6 @@ class Batcher:
         group.items.append(pending)
         group.rows += call.rows
         self._queued += 1
-        self._set_depth()
         pending.future.add_done_callback(lambda _f: self._forget(key, pending))
         if len(group.items) == 1 or group.rows >= self.max_batch_rows:
             self._wakeup.set()  # a new group (the worker times its delay) or a full one
@@ -98,17 +97,12 @@ class Batcher:
             return
         pending.queued = False
         self._queued -= 1
-        self._set_depth()
         group = self._groups.get(key)
         if group is not None and pending in group.items:
             group.items.remove(pending)
             group.rows -= pending.call.rows
             if not group.items:
                 del self._groups[key]
-
-    def _set_depth(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_depth.set(self._queued)
 
     def _take_ready(self, now: float) -> list[_Pending] | None:
         """Remove and return the calls of the oldest ready group, up to max_batch_rows rows."""
@@ -130,7 +124,6 @@ class Batcher:
                 rows += pending.call.rows
             if not group.items:
                 del self._groups[key]
-            self._set_depth()
             return batch
         return None
 
@@ -160,9 +153,8 @@ class Batcher:
         op = calls[0].op
         start = loop.time()
         if self.metrics is not None:
-            for p in batch:
-                self.metrics.queue_time.labels(op).observe(start - p.enqueued)
-            self.metrics.observe_batch(op, rows=sum(c.rows for c in calls), requests=len(calls))
+            self.metrics.observe_batch(op, rows=sum(c.rows for c in calls), requests=len(calls),
+                                       queue_seconds=[start - p.enqueued for p in batch])
         self.launches += 1
         self.batched_requests += len(calls)
         try:

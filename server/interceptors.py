@@ -22,9 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import itertools
 import logging
+import secrets
 import time
-import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -80,9 +81,15 @@ def _metadata(details_or_context) -> dict[str, str]:
     return {k: v for k, v in (md or ()) if isinstance(v, str)}
 
 
+# New request ids: a random prefix per process and a counter, unique across restarts and
+# replicas without a random draw per call.
+_ID_PREFIX = secrets.token_hex(4)
+_ids = itertools.count()
+
+
 def _request_id(context) -> str:
     """The caller's ``x-request-id``, or a new one."""
-    return _metadata(context).get(REQUEST_ID_KEY) or uuid.uuid4().hex[:16]
+    return _metadata(context).get(REQUEST_ID_KEY) or f"{_ID_PREFIX}{next(_ids):08x}"
 
 
 class _Undecodable:
@@ -159,7 +166,11 @@ class _WrappingInterceptor(grpc.aio.ServerInterceptor):
 
 
 class ExceptionInterceptor(_WrappingInterceptor):
-    """Maps exceptions to status codes; logs one line and records metrics per RPC.
+    """Maps exceptions to status codes; records metrics and logs one line per RPC.
+
+    The line of a call that succeeded (or was cancelled by its client) is at debug level: at
+    info, formatting and writing it cost about 200 us a call and a third of the throughput on
+    the H100 host (Sample 1x128256, bench/service.py). Failures log at warning, faults at error.
 
     ``is_draining()`` true turns new calls away with UNAVAILABLE (health checks excepted).
     """
@@ -234,7 +245,7 @@ class ExceptionInterceptor(_WrappingInterceptor):
         seconds = time.perf_counter() - t0
         if self._metrics is not None:
             self._metrics.observe_rpc(record.rpc, record.code.name, seconds)
-        level = logging.INFO if record.code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else logging.WARNING
+        level = logging.DEBUG if record.code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else logging.WARNING
         log_event(log, "rpc", level=level, request_id=record.request_id, rpc=record.rpc, rows=record.rows,
                   status=record.code.name, latency_ms=round(seconds * 1e3, 3))
 

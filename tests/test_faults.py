@@ -265,7 +265,8 @@ def test_full_queue_answers_resource_exhausted_at_once_while_the_device_is_stuck
 
 def test_sigterm_with_calls_in_flight_then_restart_on_the_same_port():
     # Every launch takes 0.3 s and holds one call: 12 calls need 3.6 s, the grace period is 1 s.
-    args = ("--max-batch-rows", "1", "--max-delay-us", "0", "--grace-period-s", "1", "--warmup-dtypes", "none")
+    args = ("--max-batch-rows", "1", "--max-delay-us", "0", "--grace-period-s", "1", "--warmup-dtypes", "none",
+            "--log-level", "debug")  # debug: a line per answered call
     server = ServerProcess(*args, launch_delay_ms=300)
     outcomes: dict[int, tuple] = {}
     try:

@@ -137,7 +137,7 @@ def test_serve_process_metrics_sighup_and_sigterm_drain(tmp_path):
     metrics_port = _free_port()
     server = Process("--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--warmup-dtypes", "float32",
                      "--max-delay-us", "2000000", "--grace-period-s", "20", "--auth-token-file", str(tokens),
-                     "--metrics-port", str(metrics_port), "--log-level", "info")
+                     "--metrics-port", str(metrics_port), "--log-level", "debug")
     try:
         listening = server.wait_for("listening")
         target = f"127.0.0.1:{listening['port']}"
