@@ -11,16 +11,9 @@ and calls past their deadline fail with DEADLINE_EXCEEDED. The queue is bounded:
 launch of several calls fails, each call is retried alone, so one bad request cannot fail its
 neighbours.
 
-A call that finds the device idle for a while (nothing queued, no launch for
-``IDLE_BEFORE_LAUNCH_HERE_S``) and whose launch replays a captured CUDA graph (about 100 us of
-host work) launches at once on the event loop instead: the hop to the executor thread and back
-costs more than the launch itself (measured below). Under load calls keep arriving within that
-time and go through the worker, so they keep forming batches.
-
 ``Batcher.before_launch`` is a test hook, set only in-process (tests, ``bench/server_process.py``)
 and never from the wire: called with a launch's calls on the device thread just before the
 kernels run, it can raise (a device fault: those calls fail with INTERNAL) or sleep (a slow batch).
-While it is set every launch goes through the worker, so a sleeping hook never blocks the loop.
 """
 
 from __future__ import annotations
@@ -33,11 +26,6 @@ from .errors import DeadlineExpired, Draining, QueueFull
 from .logs import get_logger, log_event
 
 log = get_logger("batcher")
-
-# How long the device must have been idle (no call queued or launching) before a call launches
-# on the event loop (see the module docstring): well under the ~0.7 ms a lone client takes to
-# send its next call after an answer, well over the gap between arrivals under load.
-IDLE_BEFORE_LAUNCH_HERE_S = 300e-6
 
 
 @dataclass(eq=False)
@@ -72,8 +60,6 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._closed = False
-        self._launching = False
-        self._idle_since = 0.0  # loop.time() the last launch ended
         self.before_launch: Callable[[list], None] | None = None  # test hook: see the module docstring
 
     @property
@@ -92,8 +78,6 @@ class Batcher:
             raise QueueFull(f"queue full: {self._queued} requests waiting (--max-queue {self.max_queue})")
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if self._launches_here(call, now):
-            return self._launch_here(call, loop)
         pending = _Pending(call, loop.create_future(), None if timeout is None else now + timeout, now)
         key = call.key if call.key is not None else object()  # None: a group of its own
         group = self._groups.get(key)
@@ -106,21 +90,6 @@ class Batcher:
         if len(group.items) == 1 or group.rows >= self.max_batch_rows:
             self._wakeup.set()  # a new group (the worker times its delay) or a full one
         return await pending.future
-
-    def _launches_here(self, call, now: float) -> bool:
-        return (self.max_delay_s == 0 and not self._groups and not self._launching and self.before_launch is None
-                and not self.handle.busy and now - self._idle_since >= IDLE_BEFORE_LAUNCH_HERE_S and self.handle.replays(call.key, call.rows))
-
-    def _launch_here(self, call, loop):
-        """Launch ``call`` alone on the event loop, now; its result."""
-        if self.metrics is not None:
-            self.metrics.observe_batch(call.op, rows=call.rows, requests=1, queue_seconds=[0.0])
-        self.launches += 1
-        self.batched_requests += 1
-        try:
-            return self.handle.run_now(type(call).run_batch, [call], self.handle)[0]
-        finally:
-            self._idle_since = loop.time()
 
     def _forget(self, key, pending: _Pending) -> None:
         # A call cancelled (client gone, deadline) while still queued leaves the queue at once.
@@ -177,12 +146,7 @@ class Batcher:
                     pass
                 continue
             if batch:
-                self._launching = True
-                try:
-                    await self._launch(batch, loop)
-                finally:
-                    self._launching = False
-                    self._idle_since = loop.time()
+                await self._launch(batch, loop)
 
     async def _launch(self, batch: list[_Pending], loop) -> None:
         calls = [p.call for p in batch]

@@ -108,22 +108,6 @@ class DeviceHandle:
         """Run ``fn(*args)`` on this device's executor thread (and stream) without blocking the loop."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
 
-    def replays(self, key, rows: int) -> bool:
-        """Whether a launch of ``rows`` rows with batching key ``key`` replays a captured graph."""
-        return self.graphs is not None and key is not None and self.graphs.captured(key, rows)
-
-    @property
-    def busy(self) -> bool:
-        """Whether a launch (or warm-up step) holds the device."""
-        return self._lock.locked()
-
-    def run_now(self, fn: Callable, *args):
-        """Run the launch ``fn(*args)`` on the calling thread (the event loop), blocking it until
-        the device has finished; only while no other launch holds the device (else RuntimeError)."""
-        if self.busy:
-            raise RuntimeError("run_now: the device is busy with another launch")
-        return self._run(fn, *args)
-
     async def run(self, fn: Callable, *args):
         """Run the launch ``fn(*args)`` alone on this device's executor thread (and stream);
         return its result once the device has finished it."""

@@ -91,10 +91,6 @@ class LaunchGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def captured(self, key, rows: int) -> bool:
-        """Whether a batch of ``rows`` rows with ``key`` would replay a graph already captured."""
-        return (key, bucket_rows(rows)) in self._graphs
-
     def run(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[torch.Tensor] | None:
         """``launch`` on ``stage_for(bucket)`` from its graph (captured now if new); None when the
         batch is too large for a graph and should launch eagerly."""

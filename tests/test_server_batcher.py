@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from logitserve.server import batcher
 from logitserve.server.batcher import Batcher
 from logitserve.server.errors import DeadlineExpired, Draining, QueueFull
 
@@ -28,33 +27,16 @@ class FakeCall:
 
 
 class FakeHandle:
-    """Runs launches inline; ``gate`` (when set) holds every launch until it opens. With
-    ``graphs`` true every launch counts as a graph replay (see ``Batcher._launches_here``);
-    ``here`` records the launches run on the event loop by ``run_now``."""
+    """Runs launches inline; ``gate`` (when set) holds every launch until it opens."""
 
-    def __init__(self, graphs: bool = False):
+    def __init__(self):
         self.batches: list[list[int]] = []
-        self.here: list[list[int]] = []
         self.gate: asyncio.Event | None = None
-        self.graphs = graphs
-        self.busy = False
-
-    def replays(self, key, rows: int) -> bool:
-        return self.graphs
-
-    def run_now(self, fn, *args):
-        result = fn(*args)
-        self.here.append(self.batches[-1])
-        return result
 
     async def run(self, fn, *args):
-        self.busy = True
-        try:
-            if self.gate is not None:
-                await self.gate.wait()
-            return fn(*args)
-        finally:
-            self.busy = False
+        if self.gate is not None:
+            await self.gate.wait()
+        return fn(*args)
 
 
 def run(coro, timeout: float = 20.0):
@@ -64,9 +46,9 @@ def run(coro, timeout: float = 20.0):
 def make(handle, **kw) -> Batcher:
     options = dict(max_batch_rows=64, max_delay_s=0.02, max_queue=100)
     options.update(kw)
-    b = Batcher(handle, **options)
-    b.start()
-    return b
+    batcher = Batcher(handle, **options)
+    batcher.start()
+    return batcher
 
 
 def test_compatible_calls_share_one_launch():
@@ -212,42 +194,5 @@ def test_closed_batcher_refuses_new_calls():
         await b.close()
         with pytest.raises(Draining):
             await b.submit(FakeCall(1))
-
-    run(main())
-
-
-def test_a_call_on_an_idle_device_launches_on_the_loop_and_load_still_batches(monkeypatch):
-    async def main():
-        handle = FakeHandle(graphs=True)
-        b = make(handle, max_delay_s=0.0)
-        assert await b.submit(FakeCall(1)) == 10  # an idle device, a captured graph: launched here
-        assert handle.here == [[1]]
-        # A launch ended less than the idle time ago: through the worker. While that launch is
-        # held, more calls queue and share the next one.
-        monkeypatch.setattr(batcher, "IDLE_BEFORE_LAUNCH_HERE_S", 60.0)
-        handle.gate = asyncio.Event()
-        first = asyncio.ensure_future(b.submit(FakeCall(2)))
-        await asyncio.sleep(0.01)
-        rest = [asyncio.ensure_future(b.submit(FakeCall(i))) for i in (3, 4, 5)]
-        await asyncio.sleep(0.01)
-        handle.gate.set()
-        assert await asyncio.gather(first, *rest) == [20, 30, 40, 50]
-        assert handle.batches == [[1], [2], [3, 4, 5]] and handle.here == [[1]]
-        monkeypatch.setattr(batcher, "IDLE_BEFORE_LAUNCH_HERE_S", 0.0)  # idle long enough again
-        assert await b.submit(FakeCall(6)) == 60
-        assert handle.here == [[1], [6]]
-        await b.close()
-
-    run(main())
-
-
-def test_without_a_captured_graph_or_with_a_delay_calls_go_through_the_worker():
-    async def main():
-        for graphs, delay in ((False, 0.0), (True, 0.001)):
-            handle = FakeHandle(graphs=graphs)
-            b = make(handle, max_delay_s=delay)
-            assert await b.submit(FakeCall(1)) == 10
-            assert handle.batches == [[1]] and handle.here == []
-            await b.close()
 
     run(main())
