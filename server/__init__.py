@@ -1,10 +1,11 @@
 """logitserve's gRPC server: ``logitserve serve`` (cli.py), or in-process via :func:`create_server`.
 
 Modules, one concern each: config (the settings), cli (flags and environment), device (a device
-handle and its launch thread), tensors (Tensor messages <-> torch), ops (validated calls and
-their batched launches), batcher (dynamic batching), servicer (the RPC handlers), interceptors
-(status codes, logs, auth), auth (tokens), metrics (Prometheus), logs (JSON lines), app (wiring,
-health, reflection, TLS, drain).
+handle and its launch thread), graphs (launches replayed from CUDA graphs), staging (inputs to
+the device in one copy), tensors (Tensor messages <-> torch), ops (validated calls and their
+batched launches), batcher (dynamic batching), servicer (the RPC handlers), guard (each
+handler's status codes, logs, metrics, auth), auth (tokens), metrics (Prometheus), logs (JSON
+lines), app (wiring, health, reflection, TLS, drain).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Wiring: the grpc.aio server with LogitServe, health, reflection, interceptors, TLS, metrics.
+"""Wiring: the grpc.aio server with LogitServe, health, reflection (each handler guarded), TLS, metrics.
 
 ``create_server(config) -> (service, port)`` builds and binds everything (port 0 picks a free
 port, as tests do); then ``await service.start()`` accepts calls with health NOT_SERVING,
@@ -14,7 +14,7 @@ import pathlib
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
@@ -24,7 +24,7 @@ from .auth import TokenStore
 from .batcher import Batcher
 from .config import ServerConfig
 from .device import DeviceHandle
-from .interceptors import ExceptionInterceptor, RequestDecodeInterceptor, TokenAuthInterceptor
+from .guard import Guard, GuardedRegistrar
 from .logs import get_logger, log_event
 from .metrics import Metrics
 from .servicer import LogitServeServicer
@@ -69,12 +69,8 @@ class Service:
         self.draining = False
         self._stopped: asyncio.Event | None = None
 
-        interceptors = [ExceptionInterceptor(self.metrics, is_draining=lambda: self.draining)]
-        if self.tokens is not None:
-            interceptors.append(TokenAuthInterceptor(self.tokens))
-        interceptors.append(RequestDecodeInterceptor())  # innermost: after auth
         limit = config.max_message_bytes
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
+        self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),  # a second server on a taken port fails instead of sharing it
@@ -84,10 +80,13 @@ class Service:
             ("grpc.max_metadata_size", METADATA_LIMIT_BYTES),
             ("grpc.absolute_max_metadata_size", METADATA_LIMIT_BYTES),
         ])
-        pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME),
-                                            self.server)
+        guarded = GuardedRegistrar(self.server, Guard(self.metrics, is_draining=lambda: self.draining,
+                                                      tokens=self.tokens))
+        pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
+        # What reflection.enable_server_reflection does for a grpc.aio server, through the guard.
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            reflection.aio.ReflectionServicer((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)), guarded)
         host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
         address = f"{host}:{config.port}"
         creds = _server_credentials(config)

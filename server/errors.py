@@ -1,4 +1,4 @@
-"""The server's own failures, each mapped to one gRPC status code by interceptors.py.
+"""The server's own failures, each mapped to one gRPC status code by guard.py.
 
 Bad requests are plain ``ValueError`` / ``TypeError`` (INVALID_ARGUMENT), as the kernels raise
 them; anything not listed here or there is a fault (INTERNAL).

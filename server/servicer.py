@@ -1,5 +1,5 @@
 """The LogitServe servicer: each handler validates into a call (ops), submits it to the batcher
-and answers with its result. Errors are raised, never set here: interceptors.py maps them.
+and answers with its result. Errors are raised, never set here: guard.py maps them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import ops
 from .errors import Draining
-from .interceptors import note_rows
+from .guard import note_rows
 
 
 async def _all(aws: dict[str, object]) -> dict[str, object]:
