@@ -6,11 +6,11 @@
 Runs the server's own code on the request bytes ``bench.service`` sends, without gRPC:
 
 - ``parse``: ``SampleRequest.FromString`` (protobuf), per request;
-- ``validate``: ``ops.SampleCall.from_pb``: checks and the zero-copy tensor view, per request;
+- ``validate``: ``ops.SampleCall.from_pb``: checks, no copy of the logits, per request;
 - ``hop``: handing a launch to the device's executor thread and back (``DeviceHandle.submit``
   of a no-op from the event loop), per launch;
 - ``copy in``, ``kernel``, ``copy out``: ``run_batch`` of B requests (what one launch
-  does), split where it calls the kernel: concatenating the rows and moving them (and the
+  does, eagerly: a CUDA graph replay has no kernel call to split at), split where it calls the kernel: concatenating the rows and moving them (and the
   per-row parameters) to the device / the kernel, synchronized / the result back to the host
   and split per request. Per launch;
 - ``reply``: ``result.to_pb().SerializeToString()``, per request.
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args(argv)
 
-    handle = DeviceHandle(args.device, args.backend)
+    handle = DeviceHandle(args.device, args.backend, cuda_graphs=False)
     cases = [p for p in payloads()
              if not args.payloads or any(sel.strip() in p.name for sel in args.payloads.split(","))]
     lines = [

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import platform
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+import numpy as np
 import torch
 
 from logitserve import kernels
@@ -41,6 +43,9 @@ log = get_logger("device")
 # Interpreted and torch backends compile nothing, so a tiny width only checks the path works.
 TRITON_WARMUP_WIDTHS = (32000, 128256, 151936)
 CPU_WARMUP_WIDTHS = (64,)
+
+# The handle whose device and stream the current thread launches on (DeviceHandle._run).
+_bound = threading.local()
 
 
 class DeviceHandle:
@@ -81,26 +86,32 @@ class DeviceHandle:
         """Kernel descriptors cached in this process (every op's bounded cache)."""
         return kernels.plan_cache_size()
 
-    def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[torch.Tensor]:
-        """On the executor thread: an op's batched launch; its outputs on the host.
+    def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray]:
+        """On the executor thread: an op's batched launch; its outputs on the host, as arrays.
 
         ``stage_for(n)`` lays out the batch's inputs for ``n`` rows (``n >= rows``: the rows past
-        the batch are padding); ``launch`` maps their device tensors to output tensors whose dim 0
-        is rows. Calls with equal ``key`` have the same launch (see server/graphs.py). Returns the
-        outputs' first ``rows`` rows, valid once the stream is done (:meth:`run` waits for it).
+        the batch are padding); ``launch`` maps their device tensors to output tensors (of dtypes
+        numpy has) whose dim 0 is rows. Calls with equal ``key`` have the same launch (see
+        server/graphs.py). Returns the outputs' first ``rows`` rows, valid once the stream is
+        done (:meth:`run` waits for it).
         """
         if self.graphs is not None:
             outputs = self.graphs.run(key, rows, stage_for, launch)
             if outputs is not None:
                 return outputs
-        return [to_host(out) for out in launch(*stage_for(rows).to(self.device))]
+        return [to_host(out).numpy() for out in launch(*stage_for(rows).to(self.device))]
 
     def _run(self, fn: Callable, *args):
         if self.stream is None:
             return fn(*args)
-        # Triton launches on the thread's current device, not the tensors': make it this one.
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            result = fn(*args)
+        if getattr(_bound, "handle", None) is not self:
+            # Triton launches on the thread's current device and stream, not the tensors': make
+            # them this handle's, once per thread (the executor's is this handle's alone), instead
+            # of two context managers, a few torch calls each, around every launch.
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self.stream)
+            _bound.handle = self
+        result = fn(*args)
         self.stream.synchronize()
         return result
 

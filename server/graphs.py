@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .staging import Staging
@@ -50,6 +51,7 @@ class CapturedLaunch:
         self.nbytes = stage.nbytes
         self._stream = stream
         self._host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        self._host_bytes = memoryview(self._host.numpy())
         self._device = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         inputs = stage.views(self._device)
         # Run once before capturing: it compiles the kernels and builds their plans, which a
@@ -57,7 +59,10 @@ class CapturedLaunch:
         with torch.cuda.stream(stream):
             outputs = launch(*inputs)
         stream.synchronize()
+        # Page-locked outputs, read through numpy: outputs are of dtypes numpy has (token ids,
+        # expert weights and indices).
         self._outputs = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outputs]
+        self._output_arrays = [o.numpy() for o in self._outputs]
         self._graph = torch.cuda.CUDAGraph()
         # thread_local: the capture tolerates CUDA calls other threads may make meanwhile.
         with torch.cuda.graph(self._graph, stream=stream, capture_error_mode="thread_local"):
@@ -65,15 +70,18 @@ class CapturedLaunch:
             for host, out in zip(self._outputs, launch(*inputs)):
                 host.copy_(out, non_blocking=True)
 
-    def __call__(self, stage: Staging, rows: int) -> list[torch.Tensor]:
-        """Run the graph on ``stage`` (laid out as captured); the outputs' first ``rows`` rows, on the host."""
+    def __call__(self, stage: Staging, rows: int) -> list[np.ndarray]:
+        """Run the graph on ``stage`` (laid out as captured); the outputs' first ``rows`` rows.
+
+        Two torch calls (replay, synchronize): the rest is byte copies under the GIL.
+        """
         if stage.layout != self.layout:
             raise RuntimeError(f"staged inputs {stage.layout} do not match the captured layout {self.layout}")
-        stage.write(self._host)
+        stage.write(self._host_bytes)
         self._graph.replay()
         self._stream.synchronize()
         # Copies: the static outputs are overwritten by the next replay.
-        return [out[:rows].clone() for out in self._outputs]
+        return [out[:rows].copy() for out in self._output_arrays]
 
 
 class LaunchGraphs:
@@ -91,7 +99,7 @@ class LaunchGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[torch.Tensor] | None:
+    def run(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray] | None:
         """``launch`` on ``stage_for(bucket)`` from its graph (captured now if new); None when the
         batch is too large for a graph and should launch eagerly."""
         bucket = bucket_rows(rows)

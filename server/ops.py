@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 from typing import Union
 
+import numpy as np
 import torch
 
 from logitserve import kernels
@@ -24,7 +25,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 
 from .errors import TooLarge
 from .staging import Staging, to_host
-from .tensors import FLOATS, INTS, PB_DTYPES, field, from_torch, from_values, rows_param, to_torch
+from .tensors import FLOATS, INTS, PB_DTYPES, HostTensor, decode, field, from_array, from_torch, from_values, rows_values
 
 MAX_RANK = 8
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -36,7 +37,7 @@ FILTER_ORDERS = {
 # Seeds the server draws are uniform over [0, 2**63): every non-negative int64.
 SEED_BITS = 63
 
-Param = Union[int, float, torch.Tensor]
+Param = Union[int, float, list]  # a scalar, or one value per row
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,11 @@ def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(torch.split(t, sizes)) if len(sizes) > 1 else [t]
 
 
-def _to_device(handle, *groups: list[torch.Tensor]) -> list[torch.Tensor]:
+def _split_rows(a: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    return np.split(a, np.cumsum(sizes[:-1])) if len(sizes) > 1 else [a]
+
+
+def _to_device(handle, *groups: list[HostTensor]) -> list[torch.Tensor]:
     """Each group of host tensors (one per call) stacked along dim 0; all moved in one transfer."""
     stage = Staging()
     for group in groups:
@@ -84,25 +89,26 @@ def _to_device(handle, *groups: list[torch.Tensor]) -> list[torch.Tensor]:
 # Sample
 
 
-def _check_values(name: str, t: torch.Tensor, ok: torch.Tensor, rule: str) -> None:
-    if not bool(ok.all()):
-        i = int((~ok).nonzero()[0, 0])
-        raise ValueError(f"{name}[{i}]: {rule}, got {t[i].item()}")
+def _check_values(name: str, values: list, ok, rule: str, convert=lambda v: v) -> None:
+    for i, v in enumerate(values):
+        if not ok(convert(v)):
+            raise ValueError(f"{name}[{i}]: {rule}, got {v}")
 
 
 def _float_param(msg, name: str, rows: int, default: float | None, ok, rule: str, path: str) -> Param | None:
     """A float sampling parameter: the scalar field, or its per-row tensor ``<name>_rows``.
 
-    ``ok`` maps a float or a float64 tensor to whether (each) value keeps ``rule``; written with
-    comparisons only, so NaN fails it. Values must keep the rule in float32 too, the precision
+    ``ok`` maps a float to whether it keeps ``rule``; written with comparisons only, so NaN
+    fails it. Values must keep the rule in float32 too, the precision
     the kernels read them in (a temperature of 1e300 is inf there, a top_p of 1e-300 is 0).
     """
     in_f32 = f"{rule} in float32, the precision the kernels use"
     if msg.HasField(f"{name}_rows"):
-        t = rows_param(getattr(msg, f"{name}_rows"), f"{path}{name}_rows", rows, dtypes=(torch.float32, torch.float64))
-        _check_values(f"{path}{name}_rows", t, ok(t.double()), rule)
-        _check_values(f"{path}{name}_rows", t, ok(t.float().double()), in_f32)
-        return t.double()
+        values = rows_values(getattr(msg, f"{name}_rows"), f"{path}{name}_rows", rows,
+                             dtypes=(torch.float32, torch.float64))
+        _check_values(f"{path}{name}_rows", values, ok, rule)
+        _check_values(f"{path}{name}_rows", values, ok, in_f32, _as_float32)
+        return values
     if not msg.HasField(name):
         return default
     value = getattr(msg, name)
@@ -125,9 +131,9 @@ def _int_param(msg, name: str, rows: int, default: int | None, rule_min: int, pa
     """An integer sampling parameter (>= ``rule_min``): the scalar field or ``<name>_rows``."""
     rule = f"must be >= {rule_min}"
     if msg.HasField(f"{name}_rows"):
-        t = rows_param(getattr(msg, f"{name}_rows"), f"{path}{name}_rows", rows, dtypes=INTS).long()
-        _check_values(f"{path}{name}_rows", t, t >= rule_min, rule)
-        return t
+        values = rows_values(getattr(msg, f"{name}_rows"), f"{path}{name}_rows", rows, dtypes=INTS)
+        _check_values(f"{path}{name}_rows", values, lambda v: v >= rule_min, rule)
+        return values
     if not msg.HasField(name):
         return default
     value = getattr(msg, name)
@@ -153,12 +159,7 @@ def _per_row(calls: list["SampleCall"], names: tuple[str, ...], width: int) -> l
     for name in names:
         for c in calls:
             v = getattr(c, name)
-            if isinstance(v, torch.Tensor):
-                values += v.tolist()
-            elif isinstance(v, list):
-                values += v
-            else:
-                values += [v] * c.rows
+            values += v if isinstance(v, list) else [v] * c.rows
         values += [0] * (width - len(values) % width) if len(values) % width else []
     return values
 
@@ -167,7 +168,7 @@ def _per_row(calls: list["SampleCall"], names: tuple[str, ...], width: int) -> l
 class SampleCall:
     """``kernels.sample`` on ``logits [B, V]`` with scalar or per-row parameters."""
 
-    logits: torch.Tensor
+    logits: HostTensor
     temperature: Param
     top_k: Param
     top_p: Param
@@ -181,7 +182,7 @@ class SampleCall:
 
     @classmethod
     def from_pb(cls, msg: pb.SampleRequest, limits: Limits, path: str = "") -> "SampleCall":
-        logits = to_torch(field(msg, "logits", path), f"{path}logits", dtypes=FLOATS, ranks=(2,))
+        logits = decode(field(msg, "logits", path), f"{path}logits", dtypes=FLOATS, ranks=(2,))
         rows, vocab = logits.shape
         limits.check(f"{path}logits", rows, vocab)
         if msg.filter_order not in FILTER_ORDERS:
@@ -215,8 +216,6 @@ class SampleCall:
         return (self.op, self.logits.dtype, self.logits.shape[1], self.filter_order, self.random_val is None)
 
     def seeds(self) -> list[int]:
-        if isinstance(self.seed, torch.Tensor):
-            return self.seed.tolist()
         return self.seed if isinstance(self.seed, list) else [self.seed] * self.rows
 
     @staticmethod
@@ -246,21 +245,21 @@ class SampleCall:
             return (kernels.sample(logits, **params, filter_order=filter_order, backend=handle.backend),)
 
         tokens, = handle.launch(calls[0].key, sum(rows), stage_for, launch)
-        return [SampleResult(t, c.seeds()) for t, c in zip(_split(tokens, rows), calls)]
+        return [SampleResult(t.tolist(), c.seeds()) for t, c in zip(_split_rows(tokens, rows), calls)]
 
 
 def _any_nonzero(value: Param) -> bool:
-    return bool((value != 0).any()) if isinstance(value, torch.Tensor) else value != 0
+    return any(v != 0 for v in value) if isinstance(value, list) else value != 0
 
 
 @dataclass
 class SampleResult:
-    token_ids: torch.Tensor
+    token_ids: list[int]
     seeds: list[int]
 
     def to_pb(self) -> pb.SampleResponse:
-        # Built from Python ints: a handful of torch calls per reply cost more here.
-        ids = self.token_ids.tolist()
+        # Built from Python ints with struct: torch calls on the event loop cost far more.
+        ids = self.token_ids
         return pb.SampleResponse(token_ids=from_values(ids, torch.int64), seeds=from_values(self.seeds, torch.int64),
                                  valid=from_values([i >= 0 for i in ids], torch.bool))
 
@@ -273,7 +272,7 @@ class SampleResult:
 class RouteExpertsCall:
     """``kernels.topk_softmax`` on ``gate_logits [N, E]``."""
 
-    gate_logits: torch.Tensor
+    gate_logits: HostTensor
     k: int
     renormalize: bool
 
@@ -281,7 +280,7 @@ class RouteExpertsCall:
 
     @classmethod
     def from_pb(cls, msg: pb.RouteExpertsRequest, limits: Limits, path: str = "") -> "RouteExpertsCall":
-        g = to_torch(field(msg, "gate_logits", path), f"{path}gate_logits", dtypes=ROUTE_DTYPES, ranks=(2,))
+        g = decode(field(msg, "gate_logits", path), f"{path}gate_logits", dtypes=ROUTE_DTYPES, ranks=(2,))
         limits.check(f"{path}gate_logits", g.shape[0], g.shape[1])
         experts = g.shape[1]
         if experts > MAX_EXPERTS:
@@ -314,16 +313,16 @@ class RouteExpertsCall:
             return kernels.topk_softmax(gate_logits, k, renormalize=renormalize, backend=handle.backend)
 
         weights, indices = handle.launch(calls[0].key, sum(rows), stage_for, launch)
-        return [RouteExpertsResult(w, i) for w, i in zip(_split(weights, rows), _split(indices, rows))]
+        return [RouteExpertsResult(w, i) for w, i in zip(_split_rows(weights, rows), _split_rows(indices, rows))]
 
 
 @dataclass
 class RouteExpertsResult:
-    weights: torch.Tensor
-    indices: torch.Tensor
+    weights: np.ndarray
+    indices: np.ndarray
 
     def to_pb(self) -> pb.RouteExpertsResponse:
-        return pb.RouteExpertsResponse(weights=from_torch(self.weights), indices=from_torch(self.indices))
+        return pb.RouteExpertsResponse(weights=from_array(self.weights), indices=from_array(self.indices))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,14 +348,14 @@ def _rows_and_width(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
 class SoftmaxCall:
     """``kernels.softmax`` along ``dim`` of a tensor of any rank."""
 
-    x: torch.Tensor
+    x: HostTensor
     dim: int
 
     op = "softmax"
 
     @classmethod
     def from_pb(cls, msg: pb.SoftmaxRequest, limits: Limits, path: str = "") -> "SoftmaxCall":
-        x = to_torch(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=tuple(range(1, MAX_RANK + 1)))
+        x = decode(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=tuple(range(1, MAX_RANK + 1)))
         dim = msg.dim if msg.HasField("dim") else -1
         if not -x.ndim <= dim < x.ndim:
             raise ValueError(f"{path}dim: must be in [{-x.ndim}, {x.ndim}) for a rank-{x.ndim} x, got {dim}")
@@ -390,13 +389,13 @@ class SoftmaxCall:
 class CausalSoftmaxCall:
     """``kernels.causal_softmax`` on scores ``[S, T]`` or ``[B, S, T]``, ``T >= S``."""
 
-    x: torch.Tensor
+    x: HostTensor
 
     op = "causal_softmax"
 
     @classmethod
     def from_pb(cls, msg: pb.CausalSoftmaxRequest, limits: Limits, path: str = "") -> "CausalSoftmaxCall":
-        x = to_torch(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=(2, 3))
+        x = decode(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=(2, 3))
         s, t = x.shape[-2:]
         if t < s:
             raise ValueError(f"{path}x.shape: needs T >= S (every row sees a column), got S = {s}, T = {t}")
@@ -425,19 +424,19 @@ class CausalSoftmaxCall:
 class SiluCall:
     """``kernels.silu(x)``, or ``kernels.swiglu(x, up)`` when ``up`` is given (broadcasting)."""
 
-    x: torch.Tensor
-    up: torch.Tensor | None
+    x: HostTensor
+    up: HostTensor | None
 
     op = "silu"
 
     @classmethod
     def from_pb(cls, msg: pb.SiluRequest, limits: Limits, path: str = "") -> "SiluCall":
         ranks = tuple(range(1, MAX_RANK + 1))
-        x = to_torch(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=ranks)
+        x = decode(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=ranks)
         up = None
         shape = tuple(x.shape)
         if msg.HasField("up"):
-            up = to_torch(msg.up, f"{path}up", dtypes=FLOATS, ranks=ranks)
+            up = decode(msg.up, f"{path}up", dtypes=FLOATS, ranks=ranks)
             if up.dtype != x.dtype:
                 raise TypeError(f"{path}up.dtype: must match x.dtype ({x.dtype}), got {up.dtype}".replace("torch.", ""))
             try:
@@ -544,15 +543,15 @@ def warmup_calls(dtype: torch.dtype, widths: tuple[int, ...]) -> list[tuple[str,
     cases: list[tuple[str, object]] = []
     for w in widths:
         for b in WARMUP_BATCH_ROWS:
-            logits = torch.randn(b, w, generator=gen).to(dtype)
-            seeds = torch.arange(1, b + 1)
+            logits = HostTensor.of(torch.randn(b, w, generator=gen).to(dtype))
+            seeds = list(range(1, b + 1))
             cases += [
                 (f"sample {b}x{w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, seeds, 0, "top_k_first", None)),
                 (f"sample joint {b}x{w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, seeds, 0, "joint", None)),
                 (f"sample random_val {b}x{w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, seeds, 0, "top_k_first", 0.5)),
                 (f"softmax {b}x{w}", SoftmaxCall(logits, 1)),
             ]
-    x = torch.randn(2, 4, 8, generator=gen).to(dtype)
+    x = HostTensor.of(torch.randn(2, 4, 8, generator=gen).to(dtype))
     cases += [
         ("causal_softmax", CausalSoftmaxCall(x)),
         ("silu", SiluCall(x, None)),
@@ -561,7 +560,7 @@ def warmup_calls(dtype: torch.dtype, widths: tuple[int, ...]) -> list[tuple[str,
     if dtype in ROUTE_DTYPES:
         for experts, k in ((8, 2), (64, 6), (128, 8), (256, 8)):
             for b in WARMUP_BATCH_ROWS:
-                g = torch.randn(b, experts, generator=gen).to(dtype)
+                g = HostTensor.of(torch.randn(b, experts, generator=gen).to(dtype))
                 cases.append((f"route_experts {b}x{experts} k={k}", RouteExpertsCall(g, k, True)))
     return cases
 

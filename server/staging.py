@@ -1,19 +1,22 @@
 """Moving a launch's inputs to the device in one transfer, and its outputs back without a wait.
 
-A batch's inputs are many small host tensors: each request's rows (viewing its message's bytes)
+A batch's inputs are many small host tensors: each request's rows (the bytes of its message)
 and the per-row parameters. Copied one by one from pageable memory, each is a synchronous
 transfer through the driver's staging buffer: 98 us for one 1x128256 bfloat16 row and 4 ms for
 64 of them on the H100 host (bench/service_breakdown.py). :class:`Staging` packs them into one
-page-locked buffer (a memcpy each) and sends that with one asynchronous copy; :func:`to_host`
-queues a result's copy back into page-locked memory, read once the launch's stream is done
+page-locked buffer and sends that with one asynchronous copy; :func:`to_host` queues a result's
+copy back into page-locked memory, read once the launch's stream is done
 (:meth:`.device.DeviceHandle.run` waits for it). On the CPU both are plain copies.
+
+The packing is byte copies through a memoryview, not torch calls: each torch call releases the
+GIL, and in the busy server the launch thread then waits for the event loop to give it back.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .tensors import pack
+from .tensors import HostTensor, pack
 
 # Every part starts on a 16-byte boundary: Triton specialises on a pointer's 16-byte alignment,
 # so an unaligned part would compile (and warm up) a second kernel.
@@ -33,17 +36,15 @@ class Staging:
         logits, params = stage.to(device)                       # the parts, in the order added
 
     or, into a buffer that outlives it (a CUDA graph's inputs, server/graphs.py),
-    ``stage.write(host)`` and ``stage.views(device_buffer)``.
-
-    Every torch call costs microseconds of host time (tens inside the busy server), so the
-    parts are few: numbers are packed with ``struct``, not made into tensors one by one.
+    ``stage.write(memoryview_of_host_buffer)`` and ``stage.views(device_buffer)``.
     """
 
     def __init__(self):
-        self._parts: list[tuple[object, torch.Size, torch.dtype, int, int]] = []  # source, shape, dtype, offset, rows filled
+        # Each part: the byte strings to write one after the other, shape, dtype, byte offset.
+        self._parts: list[tuple[list, torch.Size, torch.dtype, int]] = []
         self._size = 0
 
-    def add(self, pieces: list[torch.Tensor], rows: int | None = None) -> None:
+    def add(self, pieces: list[HostTensor], rows: int | None = None) -> None:
         """One part: ``pieces`` (same dtype and trailing shape, rank >= 1) stacked along dim 0.
 
         ``rows`` (at least the pieces' rows) pads the part to that many: the rows past the pieces
@@ -52,16 +53,14 @@ class Staging:
         first = pieces[0]
         stacked = sum(p.shape[0] for p in pieces)
         shape = torch.Size((stacked if rows is None else rows, *first.shape[1:]))
-        self._append(pieces, shape, first.dtype, stacked)
+        self._append([p.data for p in pieces], shape, first.dtype)
 
     def add_values(self, values: list, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """One part: ``values`` (Python numbers, C order) as a ``dtype`` tensor of ``shape``."""
-        # A bytearray, not bytes: torch.frombuffer warns on read-only memory.
-        shape = torch.Size(shape)
-        self._append(bytearray(pack(values, dtype)), shape, dtype, shape[0])
+        self._append([pack(values, dtype)], torch.Size(shape), dtype)
 
-    def _append(self, source, shape: torch.Size, dtype: torch.dtype, filled_rows: int) -> None:
-        self._parts.append((source, shape, dtype, self._size, filled_rows))
+    def _append(self, chunks: list, shape: torch.Size, dtype: torch.dtype) -> None:
+        self._parts.append((chunks, shape, dtype, self._size))
         self._size = _aligned(self._size + shape.numel() * dtype.itemsize)
 
     @property
@@ -72,28 +71,23 @@ class Staging:
     @property
     def layout(self) -> tuple[tuple[torch.Size, torch.dtype, int], ...]:
         """Each part's shape, dtype and byte offset: buffers of equal layout take each other's parts."""
-        return tuple((shape, dtype, offset) for _, shape, dtype, offset, _ in self._parts)
+        return tuple((shape, dtype, offset) for _, shape, dtype, offset in self._parts)
 
-    def write(self, host: torch.Tensor) -> None:
-        """Copy the parts into ``host``, a uint8 CPU tensor of at least :attr:`nbytes`."""
-        for source, shape, dtype, offset, filled_rows in self._parts:
-            if isinstance(source, bytearray):
-                host[offset:offset + len(source)].copy_(torch.frombuffer(source, dtype=torch.uint8))
-                continue
-            dst = _view(host, offset, shape, dtype)[:filled_rows]
-            if len(source) == 1:
-                dst.copy_(source[0])
-            else:
-                torch.cat(source, out=dst)
+    def write(self, host: memoryview) -> None:
+        """Copy the parts into ``host``, a writable byte view of at least :attr:`nbytes`."""
+        for chunks, _, _, offset in self._parts:
+            for chunk in chunks:
+                host[offset:offset + len(chunk)] = chunk
+                offset += len(chunk)
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """The parts as tensors viewing ``buffer`` (laid out as :meth:`write` fills it)."""
+        """The parts as tensors viewing ``buffer`` (uint8, laid out as :meth:`write` fills it)."""
         return [_view(buffer, offset, shape, dtype) for shape, dtype, offset in self.layout]
 
     def to(self, device: torch.device) -> list[torch.Tensor]:
         pinned = device.type == "cuda"
         host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
-        self.write(host)
+        self.write(memoryview(host.numpy()))
         # From page-locked memory the copy is asynchronous; the caching host allocator keeps the
         # buffer from reuse until the stream has read it.
         return self.views(host.to(device, non_blocking=True) if pinned else host)

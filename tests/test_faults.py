@@ -65,7 +65,7 @@ class Gate:
                 raise RuntimeError("test gate never opened")
         if self.fail_all:
             raise RuntimeError("injected device fault (all launches)")
-        if any(float(c.x.reshape(-1)[0]) == POISON for c in calls):
+        if any(float(c.x.torch().reshape(-1)[0]) == POISON for c in calls):
             raise RuntimeError("injected device fault (poisoned launch)")
 
     def _set(self, allowed: float) -> None:

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 from logitserve import kernels
 from logitserve.server import ServerConfig
-from logitserve.server.tensors import TORCH_DTYPES, to_torch
+from logitserve.server.tensors import TORCH_DTYPES, decode
 from logitserve.server.testing import ServerThread
 from logitserve.v1 import logitserve_pb2 as pb
 
@@ -344,7 +344,7 @@ REQUEST_STRATEGIES = {
 
 
 def _decode(t: pb.Tensor) -> torch.Tensor:
-    return to_torch(t, "answer", dtypes=tuple(TORCH_DTYPES.values()), ranks=tuple(range(0, 11)))
+    return decode(t, "answer", dtypes=tuple(TORCH_DTYPES.values()), ranks=tuple(range(0, 11))).torch()
 
 
 def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

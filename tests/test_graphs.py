@@ -14,6 +14,8 @@ from logitserve import kernels
 from logitserve.server.device import DeviceHandle
 from logitserve.server.graphs import LaunchGraphs
 from logitserve.server.ops import RouteExpertsCall, SampleCall
+from logitserve.server.staging import Staging
+from logitserve.server.tensors import HostTensor
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda:0"
@@ -32,9 +34,9 @@ def _sample_calls(sizes: list[int], vocab: int, dtype: torch.dtype, seed: int, *
     g = torch.Generator().manual_seed(seed)
     calls = []
     for i, rows in enumerate(sizes):
-        logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
-        temperature = torch.rand(rows, generator=g) + 0.3
-        top_k = torch.randint(0, 60, (rows,), generator=g)
+        logits = HostTensor.of((torch.randn(rows, vocab, generator=g) * 3).to(dtype))
+        temperature = (torch.rand(rows, generator=g) + 0.3).tolist()  # float32 values, exactly
+        top_k = torch.randint(0, 60, (rows,), generator=g).tolist()
         seeds = torch.randint(0, 2**62, (rows,), generator=g).tolist()
         calls.append(SampleCall(logits, temperature, top_k, 0.9, 0.0, seeds, i, options.get("filter_order", "top_k_first"),
                                 options.get("random_val")))
@@ -42,12 +44,9 @@ def _sample_calls(sizes: list[int], vocab: int, dtype: torch.dtype, seed: int, *
 
 
 def _direct(call: SampleCall) -> np.ndarray:
-    def on_device(v):
-        return v.to(DEVICE) if isinstance(v, torch.Tensor) else v
-
-    return kernels.sample(call.logits.to(DEVICE), temperature=on_device(call.temperature), top_k=on_device(call.top_k),
-                          top_p=call.top_p, min_p=call.min_p, seed=torch.tensor(call.seed, device=DEVICE),
-                          step=call.step, filter_order=call.filter_order,
+    return kernels.sample(call.logits.torch().to(DEVICE), temperature=torch.tensor(call.temperature, device=DEVICE),
+                          top_k=torch.tensor(call.top_k, device=DEVICE), top_p=call.top_p, min_p=call.min_p,
+                          seed=torch.tensor(call.seed, device=DEVICE), step=call.step, filter_order=call.filter_order,
                           random_val=call.random_val, backend="triton").cpu().numpy()
 
 
@@ -68,8 +67,8 @@ def test_sample_batches_replayed_equal_eager_and_direct(handles, dtype, vocab, o
         from_graph = graphed._run(SampleCall.run_batch, calls, graphed)
         from_eager = eager._run(SampleCall.run_batch, calls, eager)
         for call, g, e in zip(calls, from_graph, from_eager):
-            np.testing.assert_array_equal(g.token_ids.numpy(), e.token_ids.numpy())
-            np.testing.assert_array_equal(g.token_ids.numpy(), _direct(call))
+            assert g.token_ids == e.token_ids
+            np.testing.assert_array_equal(g.token_ids, _direct(call))
             assert g.seeds == e.seeds == call.seed
     assert graphed.graphs.replays - replays == len(SAMPLE_BATCHES)
 
@@ -78,12 +77,13 @@ def test_route_experts_replayed_equal_direct(handles):
     graphed, _ = handles
     g = torch.Generator().manual_seed(7)
     for sizes in ([64, 64, 7], [5], [64]):
-        calls = [RouteExpertsCall(torch.randn(rows, 256, generator=g).to(torch.bfloat16), 8, True) for rows in sizes]
+        calls = [RouteExpertsCall(HostTensor.of(torch.randn(rows, 256, generator=g).to(torch.bfloat16)), 8, True)
+                 for rows in sizes]
         results = graphed._run(RouteExpertsCall.run_batch, calls, graphed)
         for call, r in zip(calls, results):
-            w, i = kernels.topk_softmax(call.gate_logits.to(DEVICE), 8, renormalize=True, backend="triton")
-            np.testing.assert_array_equal(r.weights.numpy(), w.cpu().numpy())
-            np.testing.assert_array_equal(r.indices.numpy(), i.cpu().numpy())
+            w, i = kernels.topk_softmax(call.gate_logits.torch().to(DEVICE), 8, renormalize=True, backend="triton")
+            np.testing.assert_array_equal(r.weights, w.cpu().numpy())
+            np.testing.assert_array_equal(r.indices, i.cpu().numpy())
 
 
 def test_graphs_are_reused_per_key_and_bucket(handles):
@@ -107,10 +107,8 @@ def test_large_batches_launch_eagerly_and_the_budget_drops_old_graphs(handles):
 
     def stage_for(rows):
         def make(batch_rows):
-            from logitserve.server.staging import Staging
-
             stage = Staging()
-            stage.add([torch.full((rows, 4096), float(rows))], rows=batch_rows)
+            stage.add([HostTensor.of(torch.full((rows, 4096), float(rows)))], rows=batch_rows)
             return stage
         return make
 
@@ -118,5 +116,5 @@ def test_large_batches_launch_eagerly_and_the_budget_drops_old_graphs(handles):
         assert graphs.run("big", 65, stage_for(65), launch) is None  # 128 rows of 16 KiB: over max_bytes
         for key in ("a", "b", "c", "d"):
             out, = graphs.run(key, 9, stage_for(9), launch)
-            assert out.shape == (9, 4096) and bool((out == 18).all())
+            assert out.shape == (9, 4096) and (out == 18).all()
     assert graphs.captures == 4 and len(graphs) == 3  # each 16 rows of 16 KiB; the budget holds three

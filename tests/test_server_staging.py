@@ -8,11 +8,12 @@ import torch
 
 from logitserve.server.graphs import bucket_rows
 from logitserve.server.staging import ALIGN, Staging
+from logitserve.server.tensors import HostTensor
 
 
 def _stage(pieces: list[torch.Tensor], values: list[float], rows: int | None = None) -> Staging:
     stage = Staging()
-    stage.add(pieces, rows=rows)
+    stage.add([HostTensor.of(p) for p in pieces], rows=rows)
     stage.add_values(values, torch.float32, (2, len(values) // 2))
     return stage
 
@@ -30,10 +31,10 @@ def test_parts_are_stacked_aligned_and_returned_in_order():
 def test_padded_part_leaves_its_padding_rows_as_the_buffer_holds_them():
     host = torch.full((4096,), 0xAB, dtype=torch.uint8)
     first = _stage([torch.ones(5, 4)], [1.0] * 8, rows=8)
-    first.write(host)
+    first.write(memoryview(host.numpy()))
     second = _stage([torch.zeros(2, 4)], [7.0] * 8, rows=8)
     assert second.layout == first.layout  # the same bucket: one buffer serves both
-    second.write(host)
+    second.write(memoryview(host.numpy()))
     stacked, values = second.views(host)
     assert stacked.shape == (8, 4)
     assert bool((stacked[:2] == 0).all()) and bool((stacked[2:5] == 1).all())  # rows 2..4 from the first batch
@@ -43,3 +44,13 @@ def test_padded_part_leaves_its_padding_rows_as_the_buffer_holds_them():
 
 def test_bucket_rows_is_the_next_power_of_two():
     assert [bucket_rows(n) for n in (1, 2, 3, 4, 5, 16, 17, 64, 65)] == [1, 2, 4, 4, 8, 16, 32, 64, 128]
+
+
+def test_host_tensor_reshapes_and_decodes_without_copying_its_bytes():
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    h = HostTensor.of(t)
+    assert h.shape == (3, 4) and h.numel() == 12 and h.element_size() == 4 and h.ndim == 2
+    r = h.reshape(-1, 6)
+    assert r.shape == (2, 6) and r.data is h.data
+    assert torch.equal(r.torch(), t.reshape(2, 6))
+    assert h.tolist() == t.reshape(-1).tolist()
