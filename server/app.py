@@ -73,7 +73,8 @@ class Service:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),  # a second server on a taken port fails instead of sharing it
+            # Unless asked to share (--workers), a second server on a taken port fails instead.
+            ("grpc.so_reuseport", int(config.reuse_port)),
             # gRPC refuses request headers between its soft (8 KiB) and hard (16 KiB) limits at
             # random; one limit makes the answer deterministic: headers up to 16 KiB reach token
             # auth (UNAUTHENTICATED when wrong), larger ones are always RESOURCE_EXHAUSTED.

@@ -62,7 +62,11 @@ FLAGS = (
     ("--tls-key", str, None, "PEM private key of --tls-cert"),
     ("--tls-client-ca", str, None, "PEM CA bundle: require client certificates it signed (mutual TLS)"),
     ("--auth-token-file", str, None, "file of bearer tokens, one per line (re-read on SIGHUP)"),
-    ("--metrics-port", int, _D.metrics_port, "Prometheus /metrics port (0: off)"),
+    ("--workers", int, _D.workers, "server processes sharing the port, each with its own event loop, batcher and "
+     "CUDA context"),
+    ("--reuse-port", _switch, "on" if _D.reuse_port else "off",
+     "let other processes bind the same port (set by --workers for its processes)"),
+    ("--metrics-port", int, _D.metrics_port, "Prometheus /metrics port, worker i on this port + i (0: off)"),
     ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
     ("--log-level", str, _D.log_level, f"one of {', '.join(LOG_LEVELS)}"),
 )
@@ -122,6 +126,21 @@ async def serve(config: ServerConfig) -> int:
     return 0
 
 
+def to_argv(config: ServerConfig) -> list[str]:
+    """``logitserve serve`` arguments that parse back to ``config``."""
+    argv = []
+    for flag, *_ in FLAGS:
+        value = getattr(config, flag.lstrip("-").replace("-", "_"))
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        elif isinstance(value, tuple):
+            value = ",".join(value) or "none"
+        argv += [flag, str(value)]
+    return argv
+
+
 def parse(argv: list[str] | None = None, environ=os.environ) -> tuple[str, ServerConfig | None]:
     """``(command, config)`` from the command line and environment; bad values exit 2 with usage."""
     parser = build_parser(environ)
@@ -142,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     configure(config.log_level)
+    if config.workers > 1:
+        from .workers import run_workers
+
+        return run_workers(config)
     try:
         return asyncio.run(serve(config))
     except (OSError, RuntimeError, ValueError) as exc:  # a taken port, a missing TLS file, no such GPU

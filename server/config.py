@@ -53,7 +53,13 @@ class ServerConfig:
     tls_client_ca: str | None = None
     # One bearer token per line; every RPC but health needs `authorization: Bearer <token>`.
     auth_token_file: str | None = None
-    # Prometheus metrics over HTTP on this port; 0 turns them off.
+    # Server processes sharing the port (SO_REUSEPORT; the kernel spreads connections over them),
+    # each with its own event loop, batcher and CUDA context: one Python process tops out near
+    # 1,600 Sample calls/s on the H100 host, its event loop being the limit (docs/PERFORMANCE.md).
+    workers: int = 1
+    # Let other processes bind the same port (what --workers sets for its processes).
+    reuse_port: bool = False
+    # Prometheus metrics over HTTP on this port (worker i of --workers: this port + i); 0 turns them off.
     metrics_port: int = 0
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0
@@ -64,7 +70,7 @@ class ServerConfig:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: must be in [0, 65535] (0 = off), got {self.metrics_port}")
-        for name in ("max_batch_rows", "max_queue", "max_message_bytes", "max_vocab", "max_rows"):
+        for name in ("max_batch_rows", "max_queue", "max_message_bytes", "max_vocab", "max_rows", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_delay_us < 0:

@@ -195,3 +195,35 @@ def test_serve_process_fails_cleanly_on_a_taken_port():
                               capture_output=True, text=True, timeout=120, env={**os.environ})
     assert proc.returncode == 2
     assert json.loads(proc.stderr.strip().splitlines()[-1])["event"] == "failed to start"
+
+
+def test_workers_share_one_port_and_all_drain_on_sigterm():
+    server = Process("--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--warmup-dtypes", "none",
+                     "--workers", "2", "--grace-period-s", "5")
+    try:
+        port = server.wait_for("workers started")["port"]
+        server.wait_for("serving")
+        server.wait_for("serving")
+        # Each worker names its request ids with its own prefix; new connections reach both.
+        prefixes = set()
+        for _ in range(200):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                info = channel.unary_unary("/logitserve.v1.LogitServe/GetServerInfo")
+                _, call = info.with_call(b"", timeout=30)
+                prefixes.add(dict(call.trailing_metadata())["x-request-id"][:8])
+            if len(prefixes) == 2:
+                break
+        assert len(prefixes) == 2
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0
+        assert server.wait_for("workers stopped")["codes"] == [0, 0]
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+
+
+def test_to_argv_parses_back_to_the_same_config():
+    config = parse(["--device", "cpu", "--warmup-dtypes", "none", "--workers", "3", "--cuda-graphs", "off",
+                    "--tls-cert", "c.pem", "--tls-key", "k.pem", "--grace-period-s", "2.5"])
+    assert parse(cli.to_argv(config)) == config

@@ -1,0 +1,81 @@
+"""``logitserve serve --workers N``: N server processes on one port.
+
+One Python process serves gRPC from one event loop, and that loop, not the GPU, limits it (about
+1,600 Sample calls/s on the H100 host against 3,000+ for gRPC alone; docs/PERFORMANCE.md). This
+supervisor starts N ordinary ``logitserve serve`` processes with ``--reuse-port on``; the kernel
+spreads incoming connections over them (SO_REUSEPORT). Each has its own event loop, batcher,
+CUDA context and warm-up, and batches only its own calls; worker i serves metrics on
+``--metrics-port`` + i. With ``--port 0`` the supervisor picks the port and holds it (bound,
+not listening) so every worker gets the same one.
+
+SIGTERM, SIGINT and SIGHUP are passed on to every worker. The supervisor exits when they have:
+0 when all exited 0. A worker that exits on its own (a crash, a failed warm-up) stops the others,
+and the supervisor exits with its code, for the orchestrator to restart the whole.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from .config import ServerConfig
+from .logs import get_logger, log_event
+
+log = get_logger("workers")
+
+
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound (not listening) to ``host:port`` with SO_REUSEPORT; port 0 picks one."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    return sock
+
+
+def run_workers(config: ServerConfig) -> int:
+    from .cli import to_argv
+
+    try:
+        reserved = _reserve_port(config.host, config.port)
+    except OSError as exc:
+        log_event(log, "failed to start", error=f"port {config.port}: {exc}")
+        return 2
+    port = reserved.getsockname()[1]
+    workers = []
+    for i in range(config.workers):
+        worker = config.replace(workers=1, reuse_port=True, port=port,
+                                metrics_port=config.metrics_port + i if config.metrics_port else 0)
+        workers.append(subprocess.Popen([sys.executable, "-m", "logitserve.server.cli", "serve", *to_argv(worker)]))
+    log_event(log, "workers started", port=port, pids=[w.pid for w in workers])
+
+    stopping = False
+
+    def forward(signum, _frame):
+        nonlocal stopping
+        if signum != signal.SIGHUP:
+            stopping = True
+        for w in workers:
+            if w.poll() is None:
+                w.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    try:
+        while True:
+            codes = [w.poll() for w in workers]
+            if all(c is not None for c in codes):
+                break
+            failed = next((c for c in codes if c is not None and not stopping), None)
+            if failed is not None:
+                log_event(log, "worker exited, stopping the others", code=failed)
+                forward(signal.SIGTERM, None)
+            time.sleep(0.1)
+    finally:
+        reserved.close()
+    codes = [w.returncode for w in workers]
+    log_event(log, "workers stopped", codes=codes)
+    return next((c for c in codes if c != 0), 0)
