@@ -4,7 +4,7 @@
     python -m bench.service --device cuda:0 --calls 2000 --out results.md
 
 Starts each server as a subprocess on 127.0.0.1 (an ephemeral port), waits for grpc.health.v1
-SERVING, drives it from this process (the load generator: grpc.aio, one channel, N calls in
+SERVING, drives it from this process (the load generator: grpc.aio, ``--channels`` channels, N calls in
 flight), stops it, and prints one Markdown table. Servers:
 
 - ``echo``: ``bench.echo_server``, the transport floor: it receives the same request bytes and
@@ -337,17 +337,20 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 async def drive(target: str, payload: Payload, concurrency: int, calls: int, warmup: int,
-                max_seconds: float, check: bool, snapshot: Callable[[], dict] | None = None):
-    """``calls`` unary calls with ``concurrency`` in flight.
+                max_seconds: float, check: bool, snapshot: Callable[[], dict] | None = None, channels: int = 1):
+    """``calls`` unary calls with ``concurrency`` in flight, spread over ``channels`` channels
+    (connections: a server of several processes on one port gets them spread by the kernel).
 
     Returns latencies (us), errors by code, wall seconds, and ``snapshot()`` taken after the
     warm-up and after the timed calls (nothing is in flight at either point).
     """
-    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
-        call = channel.unary_unary(payload.method)  # bytes in, bytes out
+    async with contextlib.AsyncExitStack() as stack:
+        opened = [await stack.enter_async_context(grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
+                  for _ in range(channels)]
+        methods = [channel.unary_unary(payload.method) for channel in opened]  # bytes in, bytes out
         requests = payload.requests
         for i in range(warmup):
-            raw = await call(requests[i % len(requests)], timeout=600)
+            raw = await methods[i % channels](requests[i % len(requests)], timeout=600)
             if check and i == 0:
                 check_response(payload, raw)
         latencies: list[float] = []
@@ -357,7 +360,7 @@ async def drive(target: str, payload: Payload, concurrency: int, calls: int, war
         start = time.perf_counter()
         deadline = start + max_seconds
 
-        async def worker() -> None:
+        async def worker(call) -> None:
             nonlocal issued
             while issued < calls and time.perf_counter() < deadline:
                 request = requests[issued % len(requests)]
@@ -370,10 +373,23 @@ async def drive(target: str, payload: Payload, concurrency: int, calls: int, war
                     continue
                 latencies.append((time.perf_counter_ns() - t0) / 1e3)
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(methods[i % channels]) for i in range(concurrency)))
         wall = time.perf_counter() - start
         after = snapshot() if snapshot else {}
     return latencies, errors, wall, before, after
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a server of several worker processes)."""
+    pids, i = [pid], 0
+    while i < len(pids):
+        try:
+            with open(f"/proc/{pids[i]}/task/{pids[i]}/children") as f:
+                pids += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+        i += 1
+    return pids
 
 
 def run_case(spec: ServerSpec, server: Running, payload: Payload, concurrency: int, args) -> Result:
@@ -383,12 +399,12 @@ def run_case(spec: ServerSpec, server: Running, payload: Payload, concurrency: i
     def snapshot() -> dict:
         nonlocal monitor
         if monitor is None:  # after the warm-up: the timed part starts
-            monitor = OtherLoad([server.pid, os.getpid()])
+            monitor = OtherLoad([*_process_tree(server.pid), os.getpid()])
         return scrape(url) if url is not None else {}
 
     latencies, errors, wall, before, after = asyncio.run(
         drive(server.target, payload, concurrency, args.calls, args.warmup, args.max_seconds, not spec.is_echo,
-              snapshot))
+              snapshot, channels=args.channels))
     latencies.sort()
     result = Result(spec.label, payload.name, payload.request_bytes, concurrency, len(latencies), errors,
                     percentile(latencies, 50), percentile(latencies, 99),
@@ -456,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset of: echo, batch off, batch on")
     parser.add_argument("--payloads", default="",
                         help="comma-separated substrings selecting payloads (default all)")
+    parser.add_argument("--channels", type=int, default=1,
+                        help="channels (connections) the calls are spread over (default 1)")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="extra argument for `logitserve serve` (repeatable)")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
@@ -479,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Service benchmark: {machine_line(args)}.",
         f"Command: `python -m bench.service {shlex.join(argv if argv is not None else sys.argv[1:])}`; "
         f"{args.calls} calls per case (or {args.max_seconds:.0f} s), {args.warmup} warm-up calls, "
-        "load generator in its own process (grpc.aio, one channel).",
+        f"load generator in its own process (grpc.aio, {args.channels} channel{'s' if args.channels > 1 else ''}).",
         "",
     ]
     results: list[Result] = []
