@@ -35,8 +35,9 @@ def randn(shape, dtype, device, gen) -> torch.Tensor:
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * 3).to(dtype).to(device)
 
 
-def check(y: torch.Tensor, x_values: torch.Tensor, dtype: torch.dtype, what: str = "output") -> None:
-    assert_close(y, expected(x_values), dtype, what=what)
+def check(y: torch.Tensor, x_values: torch.Tensor, dtype: torch.dtype, what: str = "output",
+          rtol: float | None = None) -> None:
+    assert_close(y, expected(x_values), dtype, rtol=rtol, what=what)
     hidden = ~visible(*y.shape[-2:]).to(y.device).expand(y.shape)
     assert (y[hidden] == 0).all(), f"{what}: masked cells must be exactly 0"
 
@@ -58,7 +59,10 @@ def test_shapes(backend, device, dtype, shape, gen):
 @pytest.mark.parametrize("shape", [(1, 2, 32000), (2, 128256), (1, 1, 151936)])
 def test_vocab_widths(backend, device, dtype, shape, gen):
     x = randn(shape, dtype, device, gen)
-    check(causal_softmax(x, backend=backend), x, dtype)
+    # A float32 sum over ~150K terms carries more rounding than float32's default 1e-5 allows:
+    # the torch backend once gave 1.4e-5 relative on a 151936-wide row.
+    rtol = 4e-5 if dtype == torch.float32 and shape[-1] > 65536 else None
+    check(causal_softmax(x, backend=backend), x, dtype, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", (torch.float16, torch.float32))
