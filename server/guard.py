@@ -131,21 +131,6 @@ async def _decoded_stream(requests):
         yield _decoded(request)
 
 
-def _rebuild(handler: grpc.RpcMethodHandler, unary=None, stream=None,
-             request_deserializer=None) -> grpc.RpcMethodHandler:
-    """A handler like ``handler`` whose behaviour is wrapped by ``unary`` / ``stream`` factories
-    (and whose requests are parsed by ``request_deserializer`` when given)."""
-    kw = dict(request_deserializer=request_deserializer or handler.request_deserializer,
-              response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
-    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kw)
-
-
 def _rebuild(handler: grpc.RpcMethodHandler, unary, stream) -> grpc.RpcMethodHandler:
     """A handler like ``handler`` whose behaviour is wrapped by the ``unary`` / ``stream``
     factories and whose requests are parsed tolerantly (:class:`_Undecodable`)."""
