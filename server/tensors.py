@@ -149,14 +149,13 @@ def pack(values: list, dtype: torch.dtype) -> bytes:
     return struct.pack(f"<{len(values)}{_STRUCT_CODES[dtype]}", *values)
 
 
-# numpy dtypes of the arrays results come back as (from_array).
-_NUMPY_PB_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.float64): pb.DTYPE_FLOAT64,
-                    np.dtype(np.int32): pb.DTYPE_INT32, np.dtype(np.int64): pb.DTYPE_INT64,
-                    np.dtype(np.bool_): pb.DTYPE_BOOL}
+# The wire dtypes numpy has (all but bfloat16), keyed by numpy dtype: results come back as arrays.
+_NUMPY_PB_DTYPES = {torch.empty(0, dtype=t).numpy().dtype: code for t, code in PB_DTYPES.items()
+                    if t != torch.bfloat16}
 
 
 def from_array(a: np.ndarray) -> pb.Tensor:
-    """Encode a numpy array (float32/64, int32/64, bool) as a Tensor message."""
+    """Encode a numpy array (of any wire dtype but bfloat16) as a Tensor message."""
     return pb.Tensor(dtype=_NUMPY_PB_DTYPES[a.dtype], shape=list(a.shape), data=np.ascontiguousarray(a).tobytes())
 
 
