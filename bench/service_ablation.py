@@ -1,6 +1,6 @@
 """The service with parts cut out, beside the echo server: what each part of a call costs under load.
 
-    python -m bench.service_ablation --device cuda:0 --variants echo,const,noop,full,full+eager
+    python -m bench.service_ablation --device cuda:0 --variants echo,const,noop,full,full+thread,full+eager
 
 Each variant is ``logitserve serve`` with patches applied in its own process (``+`` joins them),
 driven like ``bench.service`` (Sample 1x128256 bf16, one channel, concurrency 1, 8 and 64),
@@ -8,10 +8,11 @@ one p50 / p99 / calls-per-second line per case:
 
 - ``echo``: ``bench.echo_server``, the transport floor;
 - ``const``: the Sample handler answers a fixed reply at once (gRPC, the guard, nothing else);
-- ``noop``: the whole path (decode, batcher, launch thread, reply) but the launch returns zeros
+- ``noop``: the whole path (decode, batcher, reply) but the launch returns zeros at once,
   without touching the device;
-- ``onloop``: launches run on the event loop instead of the launch thread;
 - ``full``: the server as it is; ``eager``: with ``--cuda-graphs off``;
+- ``thread``: graph replays run on the launch thread, which waits for the stream, instead of
+  being polled on the event loop (the server before it polled);
 - ``swN``: a GIL switch interval of N us in the server.
 
 The host is shared: compare variants within one run, not across runs.
@@ -34,7 +35,7 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
     from logitserve.server.cli import main
 
     if "noop" in variants:
-        def run_batch(calls, handle):
+        async def run_batch(calls, handle):
             return [ops.SampleResult([0] * c.rows, c.seeds()) for c in calls]
         ops.SampleCall.run_batch = staticmethod(run_batch)
     if "const" in variants:
@@ -43,10 +44,11 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
         async def answer(self, request, context):
             return reply
         servicer.LogitServeServicer.Sample = answer
-    if "onloop" in variants:
-        async def run(self, fn, *args):
-            return self._run(fn, *args)
-        device.DeviceHandle.run = run
+    if "thread" in variants:
+        async def replay(self, graph, stage, rows):
+            await self.submit(graph.start, stage)  # returns once the stream is done
+            return graph.outputs(rows)
+        device.DeviceHandle._replay = replay
     for v in variants:
         if v.startswith("sw"):
             sys.setswitchinterval(int(v[2:]) * 1e-6)

@@ -7,12 +7,10 @@ Runs the server's own code on the request bytes ``bench.service`` sends, without
 
 - ``parse``: ``SampleRequest.FromString`` (protobuf), per request;
 - ``validate``: ``ops.SampleCall.from_pb``: checks, no copy of the logits, per request;
-- ``hop``: handing a launch to the device's executor thread and back (``DeviceHandle.submit``
-  of a no-op from the event loop), per launch;
-- ``copy in``, ``kernel``, ``copy out``: ``run_batch`` of B requests (what one launch
-  does, eagerly: a CUDA graph replay has no kernel call to split at), split where it calls the kernel: concatenating the rows and moving them (and the
-  per-row parameters) to the device / the kernel, synchronized / the result back to the host
-  and split per request. Per launch;
+- ``launch``: ``run_batch`` of B requests on an event loop, as the batcher runs it: on CUDA
+  the batch's graph replay, polled until done (``--cuda-graphs off``: the eager launch through
+  the launch thread), on the CPU the launch thread. Inputs staged, outputs split per request.
+  Per launch;
 - ``reply``: ``result.to_pb().SerializeToString()``, per request.
 
 ``per request`` adds the per-request pieces and the per-launch pieces divided by B: the
@@ -27,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import os
 import platform
@@ -39,24 +36,18 @@ from typing import Callable
 
 import torch
 
-from logitserve import kernels
 from logitserve.server import ops
 from logitserve.server.device import DeviceHandle
 from logitserve.v1 import logitserve_pb2 as pb
 
 from .service import OtherLoad, Payload, payloads
 
-PIECES = ("parse", "validate", "hop", "copy in", "kernel", "copy out", "reply")
-PER_LAUNCH = ("hop", "copy in", "kernel", "copy out")
+PIECES = ("parse", "validate", "launch", "reply")
+PER_LAUNCH = ("launch",)
 OPS = {
-    "Sample": (pb.SampleRequest, ops.SampleCall, "sample"),
-    "RouteExperts": (pb.RouteExpertsRequest, ops.RouteExpertsCall, "topk_softmax"),
+    "Sample": (pb.SampleRequest, ops.SampleCall),
+    "RouteExperts": (pb.RouteExpertsRequest, ops.RouteExpertsCall),
 }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_us(fn: Callable[[], object], repeat: int, max_seconds: float, warmup: int = 3) -> float:
@@ -71,79 +62,29 @@ def median_us(fn: Callable[[], object], repeat: int, max_seconds: float, warmup:
     return statistics.median(times)
 
 
-@contextlib.contextmanager
-def split_at_kernel(name: str, device: torch.device, marks: list[float]):
-    """Wrap ``kernels.<name>`` (as ops calls it) to record synchronized times around it."""
-    real = getattr(kernels, name)
-
-    def timed(*args, **kwargs):
-        _sync(device)
-        marks.append(time.perf_counter_ns())
-        out = real(*args, **kwargs)
-        _sync(device)
-        marks.append(time.perf_counter_ns())
-        return out
-
-    setattr(kernels, name, timed)
+def launch_us(call_type, calls: list, handle: DeviceHandle, repeat: int, max_seconds: float) -> float:
+    """Median time of ``run_batch(calls)`` on an event loop, in us."""
+    loop = asyncio.new_event_loop()
     try:
-        yield
+        return median_us(lambda: loop.run_until_complete(call_type.run_batch(calls, handle)), repeat, max_seconds)
     finally:
-        setattr(kernels, name, real)
-
-
-def launch_pieces(call_type, calls: list, handle: DeviceHandle, kernel_name: str, repeat: int,
-                  max_seconds: float) -> dict[str, float]:
-    """Median copy in / kernel / copy out of ``run_batch(calls)``, in us."""
-    samples: dict[str, list[float]] = {"copy in": [], "kernel": [], "copy out": []}
-    deadline = time.perf_counter() + max_seconds
-    with split_at_kernel(kernel_name, handle.device, marks := []):
-        for i in range(repeat + 3):
-            marks.clear()
-            _sync(handle.device)
-            t0 = time.perf_counter_ns()
-            call_type.run_batch(calls, handle)
-            _sync(handle.device)
-            t3 = time.perf_counter_ns()
-            t1, t2 = marks
-            if i >= 3:  # warm-up launches
-                samples["copy in"].append((t1 - t0) / 1e3)
-                samples["kernel"].append((t2 - t1) / 1e3)
-                samples["copy out"].append((t3 - t2) / 1e3)
-                if len(samples["kernel"]) >= 3 and time.perf_counter() > deadline:
-                    break
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
-def hop_us(handle: DeviceHandle, repeat: int) -> float:
-    """Median round trip of a no-op through the device's executor thread, from the event loop."""
-    async def run() -> float:
-        for _ in range(10):
-            await handle.submit(lambda: None)
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter_ns()
-            await handle.submit(lambda: None)
-            times.append((time.perf_counter_ns() - t0) / 1e3)
-        return statistics.median(times)
-
-    return asyncio.run(run())
+        loop.close()
 
 
 def measure(payload: Payload, batch: int, handle: DeviceHandle, args) -> dict[str, float]:
     rpc = payload.method.rsplit("/", 1)[-1]
-    request_type, call_type, kernel_name = OPS[rpc]
+    request_type, call_type = OPS[rpc]
     limits = ops.Limits(max_rows=1 << 20, max_vocab=1 << 20)
     raws = [payload.requests[i % len(payload.requests)] for i in range(batch)]
     messages = [request_type.FromString(raw) for raw in raws]
     calls = [call_type.from_pb(m, limits) for m in messages]
-    results = call_type.run_batch(calls, handle)
+    results = asyncio.run(call_type.run_batch(calls, handle))
     pieces = {
         "parse": median_us(lambda: request_type.FromString(raws[0]), args.repeat, args.max_seconds),
         "validate": median_us(lambda: call_type.from_pb(messages[0], limits), args.repeat, args.max_seconds),
         "reply": median_us(lambda: results[0].to_pb().SerializeToString(), args.repeat, args.max_seconds),
-        "hop": hop_us(handle, args.repeat),
+        "launch": launch_us(call_type, calls, handle, args.repeat, args.max_seconds),
     }
-    pieces.update(launch_pieces(call_type, calls, handle, kernel_name, args.repeat, args.max_seconds))
     pieces["per request"] = sum(pieces[p] / (batch if p in PER_LAUNCH else 1) for p in PIECES)
     return pieces
 
@@ -165,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     parser.add_argument("--batches", default="1,8,64", help="requests per launch (default 1,8,64)")
     parser.add_argument("--repeat", type=int, default=200, help="runs per piece (median)")
     parser.add_argument("--max-seconds", type=float, default=10.0, help="time bound per piece")
@@ -176,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args(argv)
 
-    handle = DeviceHandle(args.device, args.backend, cuda_graphs=False)
+    handle = DeviceHandle(args.device, args.backend, cuda_graphs=args.cuda_graphs == "on")
     cases = [p for p in payloads()
              if not args.payloads or any(sel.strip() in p.name for sel in args.payloads.split(","))]
     lines = [

@@ -4,16 +4,16 @@ Calls with equal ``key`` (same op, dtype, row width, and the op's static options
 group. A group launches when it holds ``max_batch_rows`` rows or its oldest call has waited
 ``max_delay_s``; while the device is busy with one launch, groups keep filling, so load itself
 makes batches bigger. One worker task per batcher takes ready groups oldest first and launches
-them through the device handle (:meth:`~.device.DeviceHandle.run`, on its executor thread: the
-event loop stays free), one at a time. Before a launch, calls whose client cancelled are gone
-and calls past their deadline fail with DEADLINE_EXCEEDED. The queue is bounded: at
+them with their op's ``run_batch`` on the device handle, one at a time (the handle keeps the
+event loop free while the device works: server/device.py). Before a launch, calls whose client
+cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. The queue is bounded: at
 ``max_queue`` waiting calls, :meth:`Batcher.submit` raises :class:`QueueFull` at once. When a
 launch of several calls fails, each call is retried alone, so one bad request cannot fail its
 neighbours.
 
 ``Batcher.before_launch`` is a test hook, set only in-process (tests, ``bench/server_process.py``)
-and never from the wire: called with a launch's calls on the device thread just before the
-kernels run, it can raise (a device fault: those calls fail with INTERNAL) or sleep (a slow batch).
+and never from the wire: called with a launch's calls on the device's launch thread just before
+the launch, it can raise (a device fault: those calls fail with INTERNAL) or sleep (a slow batch).
 """
 
 from __future__ import annotations
@@ -158,7 +158,9 @@ class Batcher:
         self.launches += 1
         self.batched_requests += len(calls)
         try:
-            results = await self.handle.run(self._run_batch, type(calls[0]).run_batch, calls)
+            if self.before_launch is not None:
+                await self.handle.run(self.before_launch, calls)
+            results = await type(calls[0]).run_batch(calls, self.handle)
         except Exception as exc:  # noqa: BLE001 - handed to the calls, or isolated below
             if len(batch) == 1:
                 self._resolve(batch[0], exc=exc)
@@ -169,13 +171,6 @@ class Batcher:
             return
         for p, result in zip(batch, results):
             self._resolve(p, result=result)
-
-    def _run_batch(self, run_batch, calls: list) -> list:
-        """On the device thread: the test hook (if set), then the op's batched launch."""
-        hook = self.before_launch
-        if hook is not None:
-            hook(calls)
-        return run_batch(calls, self.handle)
 
     @staticmethod
     def _resolve(pending: _Pending, *, result=None, exc: BaseException | None = None) -> None:

@@ -1,20 +1,22 @@
-"""One device the kernels run on: torch device, backend, stream, executor thread, warm-up.
+"""One device the kernels run on: torch device, backend, stream, launch thread, warm-up.
 
-Every launch for a device goes through :meth:`DeviceHandle.run`, one at a time (an asyncio
-lock, so warm-up and requests never interleave) on the handle's executor thread: the event
-loop goes on receiving calls meanwhile, and they join the next launch, so batches grow with
-load. On CUDA the launches run on the handle's own stream and the thread waits for them before
-the results are read.
+Launches for a device run one at a time (an asyncio lock, so warm-up and requests never
+interleave), in one of two ways:
 
-Launching from the event loop instead was measured on the H100 host (Sample 1x128256 bf16): a
-lone call gained 0.5 ms (no thread hand-overs), but under load each launch held the loop for
-its host work, no call could be received meanwhile, batches stayed at one request and 64 calls
-in flight got 590 calls/s against 1,150 through the thread. Choosing per launch (the loop when
-no call waits) fell into the same single-request pattern under load.
+- **Graph replays, on the event loop.** A Sample or RouteExperts batch whose graph is captured
+  (server/graphs.py) costs the host one byte copy and one replay call, which return at once;
+  the loop then polls the stream between its other callbacks until the GPU is done. Calls that
+  arrive meanwhile join the next launch, so batches grow with load, and no thread hands over.
+  Through the launch thread a lone Sample call spent 172 us of its 604 us in the server on the
+  two hand-overs (H100 host, in-server medians).
+- **Everything else, on the launch thread:** eager launches (the CPU, batches too large for a
+  graph, ops without graphs) and graph captures, which compile. The loop goes on receiving
+  calls meanwhile. On CUDA they run on the handle's own stream and the thread waits for it
+  before the results are read.
 
-Ops launch through :meth:`DeviceHandle.launch`: on CUDA with the compiled backend a batch
-replays a CUDA graph of its launch (server/graphs.py) unless it is too large for one; otherwise,
-and on the CPU, it runs eagerly.
+Launching eagerly from the event loop was measured and rejected (H100 host, Sample 1x128256
+bf16): each launch held the loop for its host work (about forty torch calls), batches stayed at
+one request and 64 calls in flight got 590 calls/s against 1,150 through the thread.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from logitserve import kernels
 
-from .graphs import Launch, LaunchGraphs
+from .graphs import CapturedLaunch, Launch, LaunchGraphs, bucket_rows
 from .logs import get_logger, log_event
 from .staging import Staging, to_host
 
@@ -44,7 +46,7 @@ log = get_logger("device")
 TRITON_WARMUP_WIDTHS = (32000, 128256, 151936)
 CPU_WARMUP_WIDTHS = (64,)
 
-# The handle whose device and stream the current thread launches on (DeviceHandle._run).
+# The handle whose device and stream the current thread launches on (DeviceHandle._bind).
 _bound = threading.local()
 
 
@@ -86,42 +88,68 @@ class DeviceHandle:
         """Kernel descriptors cached in this process (every op's bounded cache)."""
         return kernels.plan_cache_size()
 
-    def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray]:
-        """On the executor thread: an op's batched launch; its outputs on the host, as arrays.
+    async def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray]:
+        """An op's batched launch, alone on the device; its outputs on the host, as arrays.
 
         ``stage_for(n)`` lays out the batch's inputs for ``n`` rows (``n >= rows``: the rows past
         the batch are padding); ``launch`` maps their device tensors to output tensors (of dtypes
         numpy has) whose dim 0 is rows. Calls with equal ``key`` have the same launch (see
-        server/graphs.py). Returns the outputs' first ``rows`` rows, valid once the stream is
-        done (:meth:`run` waits for it).
+        server/graphs.py). Returns the outputs' first ``rows`` rows.
         """
-        if self.graphs is not None:
-            outputs = self.graphs.run(key, rows, stage_for, launch)
-            if outputs is not None:
-                return outputs
+        async with self._lock:
+            if self.graphs is not None:
+                bucket = bucket_rows(rows)
+                stage = stage_for(bucket)
+                if stage.nbytes <= self.graphs.max_bytes:
+                    graph = self.graphs.get(key, bucket)
+                    if graph is None:
+                        graph = await self.submit(self.graphs.capture, key, bucket, stage, launch)
+                    return await self._replay(graph, stage, rows)
+            return await self.submit(self._launch_eagerly, rows, stage_for, launch)
+
+    async def _replay(self, graph: CapturedLaunch, stage: Staging, rows: int) -> list[np.ndarray]:
+        """On the event loop: start ``graph`` over ``stage``, poll until the stream is done."""
+        self._bind()
+        graph.start(stage)
+        self.graphs.replays += 1
+        try:
+            while not self.stream.query():
+                await asyncio.sleep(0)  # the loop's other callbacks run between polls
+        except BaseException:
+            self.stream.synchronize()  # cancelled: the next replay may reuse this one's buffers
+            raise
+        return graph.outputs(rows)
+
+    def _launch_eagerly(self, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray]:
         return [to_host(out).numpy() for out in launch(*stage_for(rows).to(self.device))]
+
+    def _bind(self) -> None:
+        """Make this handle's device and stream the current thread's, once per thread.
+
+        Triton launches and graph replays go to the thread's current device and stream, not the
+        tensors'; binding once per thread (the launch thread is this handle's alone, the event
+        loop's replays all go here) saves two context managers, a few torch calls each, per launch.
+        """
+        if getattr(_bound, "handle", None) is not self:
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self.stream)
+            _bound.handle = self
 
     def _run(self, fn: Callable, *args):
         if self.stream is None:
             return fn(*args)
-        if getattr(_bound, "handle", None) is not self:
-            # Triton launches on the thread's current device and stream, not the tensors': make
-            # them this handle's, once per thread (the executor's is this handle's alone), instead
-            # of two context managers, a few torch calls each, around every launch.
-            torch.cuda.set_device(self.device)
-            torch.cuda.set_stream(self.stream)
-            _bound.handle = self
+        self._bind()
         result = fn(*args)
         self.stream.synchronize()
         return result
 
     async def submit(self, fn: Callable, *args):
-        """Run ``fn(*args)`` on this device's executor thread (and stream) without blocking the loop."""
+        """Run ``fn(*args)`` on the launch thread (and stream), not waiting for other launches."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
 
     async def run(self, fn: Callable, *args):
-        """Run the launch ``fn(*args)`` alone on this device's executor thread (and stream);
-        return its result once the device has finished it."""
+        """Run ``fn(*args)`` alone on the device's launch thread (and stream); return its result
+        once the device has finished it."""
         async with self._lock:
             return await self.submit(fn, *args)
 
@@ -129,14 +157,15 @@ class DeviceHandle:
         """Launch every case ``make_cases(dtype, widths)`` returns, logging progress per case.
 
         ``make_cases`` returns ``(label, call)`` pairs (server.ops.warmup_calls); each call runs
-        through its op's ``run_batch`` exactly as a request would, compiling its kernels.
+        through its op's ``run_batch`` exactly as a request would, compiling its kernels (and
+        capturing its graph).
         """
         widths = TRITON_WARMUP_WIDTHS if self.backend == "triton" else CPU_WARMUP_WIDTHS
         plan = [(dtype, label, call) for dtype in dtypes for label, call in make_cases(dtype, widths)]
         start = time.perf_counter()
         for i, (dtype, label, call) in enumerate(plan, 1):
             t0 = time.perf_counter()
-            await self.run(type(call).run_batch, [call], self)
+            await type(call).run_batch([call], self)
             log_event(log, "warmup", step=f"{i}/{len(plan)}", dtype=str(dtype).removeprefix("torch."), op=label,
                       seconds=round(time.perf_counter() - t0, 3))
             if dtype not in self.warmed_dtypes and all(d != dtype for d, _, _ in plan[i:]):

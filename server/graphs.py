@@ -11,7 +11,8 @@ a static device buffer. A batch is padded up to the next power of two of its row
 (:func:`bucket_rows`), so a few graphs per op key serve every batch; the padding rows hold
 whatever an earlier batch left there, and their outputs are never read. :class:`LaunchGraphs`
 keeps them per (key, bucket), captured on first use and dropped least recently used beyond a
-byte budget of page-locked memory.
+byte budget of page-locked memory. A graph is captured on the device's launch thread (the
+first run compiles); its replays start on the event loop (:meth:`.device.DeviceHandle.launch`).
 
 A captured launch replays what the launch function did while it was captured: only its input
 tensors' contents change between replays, so the function must depend on nothing but its
@@ -70,16 +71,19 @@ class CapturedLaunch:
             for host, out in zip(self._outputs, launch(*inputs)):
                 host.copy_(out, non_blocking=True)
 
-    def __call__(self, stage: Staging, rows: int) -> list[np.ndarray]:
-        """Run the graph on ``stage`` (laid out as captured); the outputs' first ``rows`` rows.
+    def start(self, stage: Staging) -> None:
+        """Queue the graph on its stream over ``stage`` (laid out as captured); returns at once.
 
-        Two torch calls (replay, synchronize): the rest is byte copies under the GIL.
+        One byte copy into the page-locked input buffer and one torch call: cheap enough for the
+        event loop. Until the stream is done, the buffers belong to this replay.
         """
         if stage.layout != self.layout:
             raise RuntimeError(f"staged inputs {stage.layout} do not match the captured layout {self.layout}")
         stage.write(self._host_bytes)
         self._graph.replay()
-        self._stream.synchronize()
+
+    def outputs(self, rows: int) -> list[np.ndarray]:
+        """The finished replay's outputs, their first ``rows`` rows (read once the stream is done)."""
         # Copies: the static outputs are overwritten by the next replay.
         return [out[:rows].copy() for out in self._output_arrays]
 
@@ -99,26 +103,19 @@ class LaunchGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray] | None:
-        """``launch`` on ``stage_for(bucket)`` from its graph (captured now if new); None when the
-        batch is too large for a graph and should launch eagerly."""
-        bucket = bucket_rows(rows)
-        stage = stage_for(bucket)
-        if stage.nbytes > self.max_bytes:
-            return None
+    def get(self, key, bucket: int) -> CapturedLaunch | None:
+        """The graph captured for ``key`` at ``bucket`` rows, now the most recently used; None if none."""
         graph = self._graphs.get((key, bucket))
-        if graph is None:
-            graph = self._capture((key, bucket), stage, launch)
-        else:
+        if graph is not None:
             self._graphs.move_to_end((key, bucket))
-        self.replays += 1
-        return graph(stage, rows)
+        return graph
 
-    def _capture(self, name: tuple, stage: Staging, launch: Launch) -> CapturedLaunch:
+    def capture(self, key, bucket: int, stage: Staging, launch: Launch) -> CapturedLaunch:
+        """Capture ``launch`` over ``stage`` (``bucket`` rows) for ``key``, on the device's launch thread."""
         while self._graphs and self._bytes + stage.nbytes > self.budget_bytes:
             _, dropped = self._graphs.popitem(last=False)
             self._bytes -= dropped.nbytes
-        graph = self._graphs[name] = CapturedLaunch(stage, launch, self.device, self.stream)
+        graph = self._graphs[(key, bucket)] = CapturedLaunch(stage, launch, self.device, self.stream)
         self._bytes += graph.nbytes
         self.captures += 1
         return graph

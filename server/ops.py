@@ -3,8 +3,9 @@
 Each ``*Call`` is made from its request message by ``from_pb`` (all validation happens there,
 raising ``ValueError`` / ``TypeError`` naming the field, or :class:`TooLarge`), knows its
 batching ``key`` (calls with equal keys may share a launch; ``None`` never shares) and its
-``rows``, and launches a list of compatible calls at once with ``run_batch(calls, handle)``,
-which runs on the device's executor thread and returns one result per call. Results turn back
+``rows``, and launches a list of compatible calls at once with ``await run_batch(calls, handle)``,
+which returns one result per call: Sample and RouteExperts through the device's graph replays
+(:meth:`.device.DeviceHandle.launch`), the others with torch on its launch thread. Results turn back
 into messages with ``to_pb``. Protobuf stops here: the kernels only see torch tensors.
 """
 
@@ -219,7 +220,7 @@ class SampleCall:
         return self.seed if isinstance(self.seed, list) else [self.seed] * self.rows
 
     @staticmethod
-    def run_batch(calls: list["SampleCall"], handle) -> list["SampleResult"]:
+    async def run_batch(calls: list["SampleCall"], handle) -> list["SampleResult"]:
         rows = [c.rows for c in calls]
         floats = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + ("random_val",)
         filter_order = calls[0].filter_order
@@ -244,7 +245,7 @@ class SampleCall:
             params = dict(zip(floats + INT_PARAMS, (*float_rows[:, :b].unbind(), *int_rows[:, :b].unbind())))
             return (kernels.sample(logits, **params, filter_order=filter_order, backend=handle.backend),)
 
-        tokens, = handle.launch(calls[0].key, sum(rows), stage_for, launch)
+        tokens, = await handle.launch(calls[0].key, sum(rows), stage_for, launch)
         return [SampleResult(t.tolist(), c.seeds()) for t, c in zip(_split_rows(tokens, rows), calls)]
 
 
@@ -300,7 +301,7 @@ class RouteExpertsCall:
         return (self.op, self.gate_logits.dtype, self.gate_logits.shape[1], self.k, self.renormalize)
 
     @staticmethod
-    def run_batch(calls: list["RouteExpertsCall"], handle) -> list["RouteExpertsResult"]:
+    async def run_batch(calls: list["RouteExpertsCall"], handle) -> list["RouteExpertsResult"]:
         rows = [c.rows for c in calls]
         k, renormalize = calls[0].k, calls[0].renormalize
 
@@ -312,7 +313,7 @@ class RouteExpertsCall:
         def launch(gate_logits):
             return kernels.topk_softmax(gate_logits, k, renormalize=renormalize, backend=handle.backend)
 
-        weights, indices = handle.launch(calls[0].key, sum(rows), stage_for, launch)
+        weights, indices = await handle.launch(calls[0].key, sum(rows), stage_for, launch)
         return [RouteExpertsResult(w, i) for w, i in zip(_split_rows(weights, rows), _split_rows(indices, rows))]
 
 
@@ -330,6 +331,15 @@ class RouteExpertsResult:
 # rows of one 2-D (3-D for causal softmax) tensor and split again after the launch.
 
 
+class _LaunchedOnThread:
+    """An op whose batches launch eagerly with torch, on the device's launch thread
+    (``launch_on_thread(calls, handle)``, one result per call)."""
+
+    @classmethod
+    async def run_batch(cls, calls: list, handle) -> list["TensorResult"]:
+        return await handle.run(cls.launch_on_thread, calls, handle)
+
+
 @dataclass
 class TensorResult:
     out: torch.Tensor
@@ -345,7 +355,7 @@ def _rows_and_width(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
 
 
 @dataclass(eq=False)
-class SoftmaxCall:
+class SoftmaxCall(_LaunchedOnThread):
     """``kernels.softmax`` along ``dim`` of a tensor of any rank."""
 
     x: HostTensor
@@ -373,7 +383,7 @@ class SoftmaxCall:
         return (self.op, self.x.dtype, self.x.shape[-1]) if self.dim == self.x.ndim - 1 else None
 
     @staticmethod
-    def run_batch(calls: list["SoftmaxCall"], handle) -> list[TensorResult]:
+    def launch_on_thread(calls: list["SoftmaxCall"], handle) -> list[TensorResult]:
         if len(calls) == 1:
             c = calls[0]
             x, = _to_device(handle, [c.x])
@@ -386,7 +396,7 @@ class SoftmaxCall:
 
 
 @dataclass(eq=False)
-class CausalSoftmaxCall:
+class CausalSoftmaxCall(_LaunchedOnThread):
     """``kernels.causal_softmax`` on scores ``[S, T]`` or ``[B, S, T]``, ``T >= S``."""
 
     x: HostTensor
@@ -411,7 +421,7 @@ class CausalSoftmaxCall:
         return (self.op, self.x.dtype, *self.x.shape[-2:])
 
     @staticmethod
-    def run_batch(calls: list["CausalSoftmaxCall"], handle) -> list[TensorResult]:
+    def launch_on_thread(calls: list["CausalSoftmaxCall"], handle) -> list[TensorResult]:
         s, t = calls[0].x.shape[-2:]
         stacked, = _to_device(handle, [c.x.reshape(-1, s, t) for c in calls])
         out = to_host(kernels.causal_softmax(stacked, backend=handle.backend))
@@ -421,7 +431,7 @@ class CausalSoftmaxCall:
 
 
 @dataclass(eq=False)
-class SiluCall:
+class SiluCall(_LaunchedOnThread):
     """``kernels.silu(x)``, or ``kernels.swiglu(x, up)`` when ``up`` is given (broadcasting)."""
 
     x: HostTensor
@@ -460,7 +470,7 @@ class SiluCall:
         return ("swiglu", self.x.dtype, self.x.shape[-1]) if self.up.shape == self.x.shape else None
 
     @staticmethod
-    def run_batch(calls: list["SiluCall"], handle) -> list[TensorResult]:
+    def launch_on_thread(calls: list["SiluCall"], handle) -> list[TensorResult]:
         backend = handle.backend
         if len(calls) == 1:
             c = calls[0]

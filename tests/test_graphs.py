@@ -6,6 +6,7 @@ Runs where CUDA is present (``-k cuda``).
 
 from __future__ import annotations
 
+import asyncio
 import numpy as np
 import pytest
 import torch
@@ -64,8 +65,8 @@ def test_sample_batches_replayed_equal_eager_and_direct(handles, dtype, vocab, o
     replays = graphed.graphs.replays
     for i, sizes in enumerate(SAMPLE_BATCHES):
         calls = _sample_calls(sizes, vocab, dtype, seed=i, **options)
-        from_graph = graphed._run(SampleCall.run_batch, calls, graphed)
-        from_eager = eager._run(SampleCall.run_batch, calls, eager)
+        from_graph = asyncio.run(SampleCall.run_batch(calls, graphed))
+        from_eager = asyncio.run(SampleCall.run_batch(calls, eager))
         for call, g, e in zip(calls, from_graph, from_eager):
             assert g.token_ids == e.token_ids
             np.testing.assert_array_equal(g.token_ids, _direct(call))
@@ -79,7 +80,7 @@ def test_route_experts_replayed_equal_direct(handles):
     for sizes in ([64, 64, 7], [5], [64]):
         calls = [RouteExpertsCall(HostTensor.of(torch.randn(rows, 256, generator=g).to(torch.bfloat16)), 8, True)
                  for rows in sizes]
-        results = graphed._run(RouteExpertsCall.run_batch, calls, graphed)
+        results = asyncio.run(RouteExpertsCall.run_batch(calls, graphed))
         for call, r in zip(calls, results):
             w, i = kernels.topk_softmax(call.gate_logits.torch().to(DEVICE), 8, renormalize=True, backend="triton")
             np.testing.assert_array_equal(r.weights, w.cpu().numpy())
@@ -89,18 +90,19 @@ def test_route_experts_replayed_equal_direct(handles):
 def test_graphs_are_reused_per_key_and_bucket(handles):
     graphed, _ = handles
     calls = _sample_calls([5], 4096, torch.float32, seed=1)
-    graphed._run(SampleCall.run_batch, calls, graphed)
+    asyncio.run(SampleCall.run_batch(calls, graphed))
     captures = graphed.graphs.captures
     for sizes in ([6], [7, 1], [8]):  # bucket 8, as the first
-        graphed._run(SampleCall.run_batch, _sample_calls(sizes, 4096, torch.float32, seed=2), graphed)
+        asyncio.run(SampleCall.run_batch(_sample_calls(sizes, 4096, torch.float32, seed=2), graphed))
     assert graphed.graphs.captures == captures
-    graphed._run(SampleCall.run_batch, _sample_calls([9], 4096, torch.float32, seed=3), graphed)  # bucket 16
+    asyncio.run(SampleCall.run_batch(_sample_calls([9], 4096, torch.float32, seed=3), graphed))  # bucket 16
     assert graphed.graphs.captures == captures + 1
 
 
-def test_large_batches_launch_eagerly_and_the_budget_drops_old_graphs(handles):
-    graphed, _ = handles
-    graphs = LaunchGraphs(graphed.device, graphed.stream, max_bytes=64 * 4096 * 4, budget_bytes=3 * 16 * 4096 * 4)
+def test_large_batches_launch_eagerly_and_the_budget_drops_old_graphs():
+    handle = DeviceHandle(DEVICE, "triton")
+    handle.graphs = LaunchGraphs(handle.device, handle.stream, max_bytes=64 * 4096 * 4,
+                                 budget_bytes=3 * 16 * 4096 * 4)
 
     def launch(x):
         return (x * 2,)
@@ -112,9 +114,40 @@ def test_large_batches_launch_eagerly_and_the_budget_drops_old_graphs(handles):
             return stage
         return make
 
-    with torch.cuda.device(graphed.device), torch.cuda.stream(graphed.stream):
-        assert graphs.run("big", 65, stage_for(65), launch) is None  # 128 rows of 16 KiB: over max_bytes
+    try:
+        out, = asyncio.run(handle.launch("big", 65, stage_for(65), launch))  # 128 rows of 16 KiB: over max_bytes
+        assert out.shape == (65, 4096) and (out == 130).all()
+        assert handle.graphs.captures == 0
         for key in ("a", "b", "c", "d"):
-            out, = graphs.run(key, 9, stage_for(9), launch)
+            out, = asyncio.run(handle.launch(key, 9, stage_for(9), launch))
             assert out.shape == (9, 4096) and (out == 18).all()
-    assert graphs.captures == 4 and len(graphs) == 3  # each 16 rows of 16 KiB; the budget holds three
+        assert handle.graphs.captures == 4 and len(handle.graphs) == 3  # each 16 rows of 16 KiB; the budget holds three
+        assert handle.graphs.get("a", 16) is None and handle.graphs.get("d", 16) is not None
+    finally:
+        handle.close()
+
+
+def test_a_replay_polled_on_the_event_loop_leaves_it_free(handles):
+    """While a graph runs, other callbacks on the loop run too: the replay waits by polling."""
+    graphed, _ = handles
+    calls = _sample_calls([32], 128256, torch.bfloat16, seed=4)  # 8 MB to copy: many polls
+    asyncio.run(SampleCall.run_batch(calls, graphed))  # captured
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0)
+        results = await SampleCall.run_batch(calls, graphed)
+        ticker.cancel()
+        return results, ticks
+
+    results, ticks = asyncio.run(main())
+    np.testing.assert_array_equal(results[0].token_ids, _direct(calls[0]))
+    assert ticks >= 3

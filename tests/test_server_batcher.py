@@ -19,7 +19,9 @@ class FakeCall:
         self.value, self.key, self.rows, self.fail = value, key, rows, fail
 
     @staticmethod
-    def run_batch(calls, handle):
+    async def run_batch(calls, handle):
+        if handle.gate is not None:
+            await handle.gate.wait()
         handle.batches.append([c.value for c in calls])
         if any(c.fail for c in calls):
             raise ValueError("bad call in this batch")
@@ -27,16 +29,11 @@ class FakeCall:
 
 
 class FakeHandle:
-    """Runs launches inline; ``gate`` (when set) holds every launch until it opens."""
+    """Records launches; ``gate`` (when set) holds every launch until it opens."""
 
     def __init__(self):
         self.batches: list[list[int]] = []
         self.gate: asyncio.Event | None = None
-
-    async def run(self, fn, *args):
-        if self.gate is not None:
-            await self.gate.wait()
-        return fn(*args)
 
 
 def run(coro, timeout: float = 20.0):
