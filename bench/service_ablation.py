@@ -11,8 +11,8 @@ one p50 / p99 / calls-per-second line per case:
 - ``noop``: the whole path (decode, batcher, reply) but the launch returns zeros at once,
   without touching the device;
 - ``full``: the server as it is; ``eager``: with ``--cuda-graphs off``;
-- ``thread``: graph replays run on the launch thread, which waits for the stream, instead of
-  being polled on the event loop (the server before it polled);
+- ``thread`` / ``poll``: every graph replay waited for on the launch thread / polled on the
+  event loop (the server polls only a batch that holds every call in the server);
 - ``swN``: a GIL switch interval of N us in the server.
 
 The host is shared: compare variants within one run, not across runs.
@@ -44,11 +44,12 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
         async def answer(self, request, context):
             return reply
         servicer.LogitServeServicer.Sample = answer
-    if "thread" in variants:
-        async def replay(self, graph, stage, rows):
-            await self.submit(graph.start, stage)  # returns once the stream is done
-            return graph.outputs(rows)
-        device.DeviceHandle._replay = replay
+    if "thread" in variants or "poll" in variants:
+        launch, forced = device.DeviceHandle.launch, "poll" in variants
+
+        async def launch_forced(self, *args, poll=False):
+            return await launch(self, *args, poll=forced)
+        device.DeviceHandle.launch = launch_forced
     for v in variants:
         if v.startswith("sw"):
             sys.setswitchinterval(int(v[2:]) * 1e-6)

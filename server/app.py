@@ -60,11 +60,12 @@ class Service:
         self.handle = DeviceHandle(config.resolved_device, config.backend, config.cuda_graphs)
         self.metrics = Metrics()
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
+        self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
+        guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens)
         self.batcher = Batcher(self.handle, max_batch_rows=config.max_batch_rows,
                                max_delay_s=config.max_delay_us * 1e-6, max_queue=config.max_queue,
-                               metrics=self.metrics)
+                               metrics=self.metrics, calls_in_server=lambda: guard.in_flight)
         self.metrics.queue_depth.set_function(lambda: self.batcher.queue_depth)
-        self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
         self.health = health.aio.HealthServicer()
         self.draining = False
         self._stopped: asyncio.Event | None = None
@@ -81,8 +82,7 @@ class Service:
             ("grpc.max_metadata_size", METADATA_LIMIT_BYTES),
             ("grpc.absolute_max_metadata_size", METADATA_LIMIT_BYTES),
         ])
-        guarded = GuardedRegistrar(self.server, Guard(self.metrics, is_draining=lambda: self.draining,
-                                                      tokens=self.tokens))
+        guarded = GuardedRegistrar(self.server, guard)
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
         # What reflection.enable_server_reflection does for a grpc.aio server, through the guard.

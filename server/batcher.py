@@ -47,8 +47,10 @@ class _Group:
 class Batcher:
     """Coalesces compatible calls into launches on one :class:`~.device.DeviceHandle`."""
 
-    def __init__(self, handle, *, max_batch_rows: int, max_delay_s: float, max_queue: int, metrics=None):
+    def __init__(self, handle, *, max_batch_rows: int, max_delay_s: float, max_queue: int, metrics=None,
+                 calls_in_server: Callable[[], int] | None = None):
         self.handle = handle
+        self.calls_in_server = calls_in_server  # RPCs the server is handling (Guard.in_flight), if known
         self.max_batch_rows = max_batch_rows
         self.max_delay_s = max_delay_s
         self.max_queue = max_queue
@@ -57,7 +59,6 @@ class Batcher:
         self.batched_requests = 0  # calls those launches served
         self._groups: dict[object, _Group] = {}
         self._queued = 0
-        self._submitted = 0  # calls ever queued: _settle watches it grow
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._closed = False
@@ -87,7 +88,6 @@ class Batcher:
         group.items.append(pending)
         group.rows += call.rows
         self._queued += 1
-        self._submitted += 1
         pending.future.add_done_callback(lambda _f: self._forget(key, pending))
         if len(group.items) == 1 or group.rows >= self.max_batch_rows:
             self._wakeup.set()  # a new group (the worker times its delay) or a full one
@@ -129,27 +129,12 @@ class Batcher:
             return batch
         return None
 
-    async def _settle(self) -> None:
-        """Yield to the event loop until an iteration adds no call: requests already received join
-        this launch instead of each launching alone (one iteration when a call is alone).
-
-        The device is often done before the next call is decoded (a graph replay, about 40 us of
-        GPU time for a Sample row), so without this a loaded server launched each call on its own.
-        """
-        while True:
-            submitted = self._submitted
-            await asyncio.sleep(0)
-            if self._submitted == submitted:
-                return
-
     def _next_ready_at(self) -> float | None:
         return min((g.ready_at for g in self._groups.values()), default=None)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if self._queued:
-                await self._settle()
             batch = self._take_ready(loop.time())
             if batch is None:
                 self._wakeup.clear()
@@ -177,7 +162,10 @@ class Batcher:
         try:
             if self.before_launch is not None:
                 await self.handle.run(self.before_launch, calls)
-            results = await type(calls[0]).run_batch(calls, self.handle)
+            # A batch that holds every call in the server has no one to wait for: launch it for
+            # latency (server/device.py).
+            alone = self.calls_in_server is not None and self.calls_in_server() <= len(calls)
+            results = await type(calls[0]).run_batch(calls, self.handle, alone=alone)
         except Exception as exc:  # noqa: BLE001 - handed to the calls, or isolated below
             if len(batch) == 1:
                 self._resolve(batch[0], exc=exc)

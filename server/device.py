@@ -1,22 +1,31 @@
 """One device the kernels run on: torch device, backend, stream, launch thread, warm-up.
 
 Launches for a device run one at a time (an asyncio lock, so warm-up and requests never
-interleave), in one of two ways:
+interleave). Most run on the handle's launch thread, which waits for the device while the event
+loop goes on receiving calls; they join the next launch, so batches grow with load. On CUDA
+launches go to the handle's own stream.
 
-- **Graph replays, on the event loop.** A Sample or RouteExperts batch whose graph is captured
-  (server/graphs.py) costs the host one byte copy and one replay call, which return at once;
-  the loop then polls the stream between its other callbacks until the GPU is done. Calls that
-  arrive meanwhile join the next launch, so batches grow with load, and no thread hands over.
-  Through the launch thread a lone Sample call spent 172 us of its 604 us in the server on the
-  two hand-overs (H100 host, in-server medians).
-- **Everything else, on the launch thread:** eager launches (the CPU, batches too large for a
-  graph, ops without graphs) and graph captures, which compile. The loop goes on receiving
-  calls meanwhile. On CUDA they run on the handle's own stream and the thread waits for it
-  before the results are read.
+A Sample or RouteExperts batch replays a CUDA graph (server/graphs.py) when its graph is
+captured: one byte copy and one replay call, which return at once. The batcher asks for it to
+be polled on the event loop (``launch(..., poll=True)``) when the batch holds every call in the
+server: then there is nothing to wait for, and the two thread hand-overs are saved. Measured on
+the H100 host, Sample 1x128256 bf16, medians of 4 rounds (bench/service_ablation.py):
 
-Launching eagerly from the event loop was measured and rejected (H100 host, Sample 1x128256
-bf16): each launch held the loop for its host work (about forty torch calls), batches stayed at
-one request and 64 calls in flight got 590 calls/s against 1,150 through the thread.
+=============  ============================  ============================
+concurrency    polled on the loop            through the launch thread
+=============  ============================  ============================
+1              1,601 us p50                  1,763 us p50
+8              1,422 calls/s, 1.0 per launch  1,564 calls/s, 2.7 per launch
+64             1,294 calls/s, 1.0 per launch  1,507 calls/s, 4.1 per launch
+=============  ============================  ============================
+
+Under load the polled launch finishes before the next call has been received (gRPC hands the
+loop one call at a time), so every call launched alone and paid a launch's host work; through
+the thread, the hand-over time lets the next batch fill.
+
+Launching eagerly from the event loop was measured and rejected: each launch held the loop for
+its host work (about forty torch calls), batches stayed at one request and 64 calls in flight got
+590 calls/s against 1,150 through the thread.
 """
 
 from __future__ import annotations
@@ -88,13 +97,15 @@ class DeviceHandle:
         """Kernel descriptors cached in this process (every op's bounded cache)."""
         return kernels.plan_cache_size()
 
-    async def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray]:
+    async def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch, *,
+                     poll: bool = False) -> list[np.ndarray]:
         """An op's batched launch, alone on the device; its outputs on the host, as arrays.
 
         ``stage_for(n)`` lays out the batch's inputs for ``n`` rows (``n >= rows``: the rows past
         the batch are padding); ``launch`` maps their device tensors to output tensors (of dtypes
         numpy has) whose dim 0 is rows. Calls with equal ``key`` have the same launch (see
-        server/graphs.py). Returns the outputs' first ``rows`` rows.
+        server/graphs.py). Returns the outputs' first ``rows`` rows. ``poll``: a graph replay
+        starts and is waited for on the event loop, not the launch thread (see the module notes).
         """
         async with self._lock:
             if self.graphs is not None:
@@ -104,21 +115,24 @@ class DeviceHandle:
                     graph = self.graphs.get(key, bucket)
                     if graph is None:
                         graph = await self.submit(self.graphs.capture, key, bucket, stage, launch)
-                    return await self._replay(graph, stage, rows)
+                    self.graphs.replays += 1
+                    if poll:
+                        await self._replay_polled(graph, stage)
+                    else:
+                        await self.submit(graph.start, stage)  # the thread waits for the stream
+                    return graph.outputs(rows)
             return await self.submit(self._launch_eagerly, rows, stage_for, launch)
 
-    async def _replay(self, graph: CapturedLaunch, stage: Staging, rows: int) -> list[np.ndarray]:
+    async def _replay_polled(self, graph: CapturedLaunch, stage: Staging) -> None:
         """On the event loop: start ``graph`` over ``stage``, poll until the stream is done."""
         self._bind()
         graph.start(stage)
-        self.graphs.replays += 1
         try:
             while not self.stream.query():
                 await asyncio.sleep(0)  # the loop's other callbacks run between polls
         except BaseException:
             self.stream.synchronize()  # cancelled: the next replay may reuse this one's buffers
             raise
-        return graph.outputs(rows)
 
     def _launch_eagerly(self, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray]:
         return [to_host(out).numpy() for out in launch(*stage_for(rows).to(self.device))]

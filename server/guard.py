@@ -67,6 +67,7 @@ class CallRecord:
 
     rpc: str
     request_id: str
+    counted: bool  # in Guard.in_flight
     rows: int = 0
     code: grpc.StatusCode = grpc.StatusCode.OK
 
@@ -160,6 +161,7 @@ class Guard:
         self._metrics = metrics
         self._is_draining = is_draining
         self._tokens = tokens
+        self.in_flight = 0  # calls admitted and not yet finished, health checks (long Watch streams) aside
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         rpc = method.rsplit("/", 1)[-1]
@@ -169,7 +171,8 @@ class Guard:
         def admit(context):
             """The call's record (set as the current one) and its metadata."""
             metadata = _metadata(context)
-            record = CallRecord(rpc, metadata.get(REQUEST_ID_KEY) or _new_request_id())
+            record = CallRecord(rpc, metadata.get(REQUEST_ID_KEY) or _new_request_id(), counted=not exempt)
+            self.in_flight += record.counted
             # Runs inside the handler's task: the record it sets is that call's alone.
             _current.set(record)
             context.set_trailing_metadata(((REQUEST_ID_KEY, record.request_id),))
@@ -234,6 +237,7 @@ class Guard:
         return _rebuild(handler, unary, stream)
 
     def _finish(self, record: CallRecord, t0: float) -> None:
+        self.in_flight -= record.counted
         seconds = time.perf_counter() - t0
         if self._metrics is not None:
             self._metrics.observe_rpc(record.rpc, record.code.name, seconds)

@@ -3,9 +3,10 @@
 Each ``*Call`` is made from its request message by ``from_pb`` (all validation happens there,
 raising ``ValueError`` / ``TypeError`` naming the field, or :class:`TooLarge`), knows its
 batching ``key`` (calls with equal keys may share a launch; ``None`` never shares) and its
-``rows``, and launches a list of compatible calls at once with ``await run_batch(calls, handle)``,
-which returns one result per call: Sample and RouteExperts through the device's graph replays
-(:meth:`.device.DeviceHandle.launch`), the others with torch on its launch thread. Results turn back
+``rows``, and launches a list of compatible calls at once with ``await run_batch(calls, handle,
+alone)``, which returns one result per call: Sample and RouteExperts through the device's graph
+replays (:meth:`.device.DeviceHandle.launch`; ``alone``, the batch holds every call in the
+server: polled on the event loop), the others with torch on its launch thread. Results turn back
 into messages with ``to_pb``. Protobuf stops here: the kernels only see torch tensors.
 """
 
@@ -220,7 +221,7 @@ class SampleCall:
         return self.seed if isinstance(self.seed, list) else [self.seed] * self.rows
 
     @staticmethod
-    async def run_batch(calls: list["SampleCall"], handle) -> list["SampleResult"]:
+    async def run_batch(calls: list["SampleCall"], handle, alone: bool = False) -> list["SampleResult"]:
         rows = [c.rows for c in calls]
         floats = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + ("random_val",)
         filter_order = calls[0].filter_order
@@ -245,7 +246,7 @@ class SampleCall:
             params = dict(zip(floats + INT_PARAMS, (*float_rows[:, :b].unbind(), *int_rows[:, :b].unbind())))
             return (kernels.sample(logits, **params, filter_order=filter_order, backend=handle.backend),)
 
-        tokens, = await handle.launch(calls[0].key, sum(rows), stage_for, launch)
+        tokens, = await handle.launch(calls[0].key, sum(rows), stage_for, launch, poll=alone)
         return [SampleResult(t.tolist(), c.seeds()) for t, c in zip(_split_rows(tokens, rows), calls)]
 
 
@@ -301,7 +302,7 @@ class RouteExpertsCall:
         return (self.op, self.gate_logits.dtype, self.gate_logits.shape[1], self.k, self.renormalize)
 
     @staticmethod
-    async def run_batch(calls: list["RouteExpertsCall"], handle) -> list["RouteExpertsResult"]:
+    async def run_batch(calls: list["RouteExpertsCall"], handle, alone: bool = False) -> list["RouteExpertsResult"]:
         rows = [c.rows for c in calls]
         k, renormalize = calls[0].k, calls[0].renormalize
 
@@ -313,7 +314,7 @@ class RouteExpertsCall:
         def launch(gate_logits):
             return kernels.topk_softmax(gate_logits, k, renormalize=renormalize, backend=handle.backend)
 
-        weights, indices = await handle.launch(calls[0].key, sum(rows), stage_for, launch)
+        weights, indices = await handle.launch(calls[0].key, sum(rows), stage_for, launch, poll=alone)
         return [RouteExpertsResult(w, i) for w, i in zip(_split_rows(weights, rows), _split_rows(indices, rows))]
 
 
@@ -336,7 +337,7 @@ class _LaunchedOnThread:
     (``launch_on_thread(calls, handle)``, one result per call)."""
 
     @classmethod
-    async def run_batch(cls, calls: list, handle) -> list["TensorResult"]:
+    async def run_batch(cls, calls: list, handle, alone: bool = False) -> list["TensorResult"]:
         return await handle.run(cls.launch_on_thread, calls, handle)
 
 

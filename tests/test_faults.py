@@ -195,6 +195,17 @@ def test_device_fault_during_a_batch_fails_its_calls_with_internal_then_service_
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_the_batcher_sees_how_many_calls_the_server_holds(gated):
+    """Guard.in_flight, which decides whether a batch launches for latency (server/device.py)."""
+    server, gate, stub = gated
+    calls_in_server = server.service.batcher.calls_in_server
+    with _held_launch(server, gate, stub):
+        futures = _queue(server, stub, [_x(i) for i in range(3)])
+        assert calls_in_server() == 4  # the held call and the three queued
+    assert [_outcome(f)[0] for f in futures] == [OK] * 3
+    _wait_until(lambda: calls_in_server() == 0)
+
+
 # ------------------------------------------------------------------------- clients that leave
 
 

@@ -19,10 +19,11 @@ class FakeCall:
         self.value, self.key, self.rows, self.fail = value, key, rows, fail
 
     @staticmethod
-    async def run_batch(calls, handle):
+    async def run_batch(calls, handle, alone=False):
         if handle.gate is not None:
             await handle.gate.wait()
         handle.batches.append([c.value for c in calls])
+        handle.alone.append(alone)
         if any(c.fail for c in calls):
             raise ValueError("bad call in this batch")
         return [c.value * 10 for c in calls]
@@ -33,6 +34,7 @@ class FakeHandle:
 
     def __init__(self):
         self.batches: list[list[int]] = []
+        self.alone: list[bool] = []  # run_batch's alone, per launch
         self.gate: asyncio.Event | None = None
 
 
@@ -60,6 +62,19 @@ def test_compatible_calls_share_one_launch():
     assert results == [0, 10, 20, 30, 40]
     assert handle.batches == [[0, 1, 2, 3, 4]]
     assert b.launches == 1 and b.batched_requests == 5 and b.queue_depth == 0
+
+
+@pytest.mark.parametrize("in_server,alone", [(None, False), (1, True), (3, True), (4, False)])
+def test_a_batch_launches_alone_when_it_holds_every_call_in_the_server(in_server, alone):
+    async def main():
+        handle = FakeHandle()
+        b = make(handle, calls_in_server=None if in_server is None else (lambda: in_server))
+        await asyncio.gather(*(b.submit(FakeCall(i)) for i in range(3)))
+        await b.close()
+        return handle
+
+    handle = run(main())
+    assert handle.batches == [[0, 1, 2]] and handle.alone == [alone]
 
 
 def test_incompatible_calls_launch_apart():
