@@ -1,10 +1,14 @@
 """The service with parts cut out, beside the echo server: what each part of a call costs under load.
 
-    python -m bench.service_ablation --device cuda:0 --variants echo,const,noop,full,full+thread,full+eager
+    python -m bench.service_ablation --device cuda:0 --variants echo,full,full+thread,full+poll --rounds 4
 
-Each variant is ``logitserve serve`` with patches applied in its own process (``+`` joins them),
-driven like ``bench.service`` (Sample 1x128256 bf16, one channel, concurrency 1, 8 and 64),
-one p50 / p99 / calls-per-second line per case:
+Each variant is ``logitserve serve`` with patches applied in its own process (``+`` joins them).
+All of them run at once and are driven in turn like ``bench.service`` (Sample 1x128256 bf16,
+one channel, concurrency 1, 8 and 64), case by case, for ``--rounds`` rounds; one line per
+variant and case gives the medians over the rounds of p50 latency, calls/s and requests per
+launch (the server's own counters), each followed by the rounds' values. The host is shared
+and drifts by tens of percent within minutes: taking the variants in turn, round after round,
+puts them under the same drift.
 
 - ``echo``: ``bench.echo_server``, the transport floor;
 - ``const``: the Sample handler answers a fixed reply at once (gRPC, the guard, nothing else);
@@ -14,19 +18,20 @@ one p50 / p99 / calls-per-second line per case:
 - ``thread`` / ``poll``: every graph replay waited for on the launch thread / polled on the
   event loop (the server polls only a batch that holds every call in the server);
 - ``swN``: a GIL switch interval of N us in the server.
-
-The host is shared: compare variants within one run, not across runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import statistics
 import sys
 
 from bench.service import ServerSpec, drive, payloads, running
+from logitserve.client import Client
 
-CASES = ((1, 1000), (8, 2000), (64, 3000))  # (concurrency, calls)
+CASES = ((1, 400), (8, 1500), (64, 3000))  # (concurrency, calls per round)
 
 
 def serve_patched(variants: set[str], argv: list[str]) -> int:
@@ -35,7 +40,7 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
     from logitserve.server.cli import main
 
     if "noop" in variants:
-        async def run_batch(calls, handle):
+        async def run_batch(calls, handle, alone=False):
             return [ops.SampleResult([0] * c.rows, c.seeds()) for c in calls]
         ops.SampleCall.run_batch = staticmethod(run_batch)
     if "const" in variants:
@@ -66,6 +71,15 @@ def spec(variant: str, device: str) -> ServerSpec:
                                 "127.0.0.1", "--device", device, "--warmup-dtypes", warm])
 
 
+def launch_counts(variant: str, target: str) -> tuple[int, int]:
+    """The server's (launches, requests they served) so far; zeros for the echo server."""
+    if variant == "echo":
+        return 0, 0
+    with Client(target) as client:
+        stats = client.server_info().stats
+    return stats["launches"], stats["batched_requests"]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve"]:
@@ -73,18 +87,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--variants", default="echo,const,noop,full")
-    parser.add_argument("--max-seconds", type=float, default=5.0, help="time bound per case")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-seconds", type=float, default=4.0, help="time bound per case and round")
     args = parser.parse_args(argv)
     payload = next(p for p in payloads() if p.name == "Sample 1x128256 bf16")
-    for variant in args.variants.split(","):
-        with running(spec(variant, args.device), 900) as server:
+    variants = args.variants.split(",")
+    runs: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    with contextlib.ExitStack() as stack:
+        servers = {v: stack.enter_context(running(spec(v, args.device), 900)) for v in variants}
+        for _ in range(args.rounds):
             for concurrency, calls in CASES:
-                lat, errors, wall, _, _ = asyncio.run(drive(server.target, payload, concurrency, calls, 50,
-                                                            args.max_seconds, False))
-                lat.sort()
-                print(f"{variant:16s} c={concurrency:3d} p50={lat[len(lat) // 2]:8.0f} us "
-                      f"p99={lat[int(len(lat) * 0.99)]:8.0f} us {len(lat) / wall:7.0f} calls/s errors={errors}",
-                      flush=True)
+                for v in variants:
+                    launches, requests = launch_counts(v, servers[v].target)
+                    lat, errors, wall, _, _ = asyncio.run(drive(servers[v].target, payload, concurrency, calls, 30,
+                                                                args.max_seconds, False))
+                    if errors:
+                        print(f"# {v} c={concurrency}: errors {errors}", file=sys.stderr)
+                    launches, requests = (n - n0 for n, n0 in zip(launch_counts(v, servers[v].target),
+                                                                  (launches, requests)))
+                    lat.sort()
+                    runs.setdefault((v, concurrency), []).append(
+                        (lat[len(lat) // 2], len(lat) / wall, requests / launches if launches else 0.0))
+    for concurrency, _ in CASES:
+        for v in variants:
+            p50s, rates, per_launch = zip(*runs[(v, concurrency)])
+            print(f"{v:16s} c={concurrency:3d} p50 {statistics.median(p50s):6.0f} us ({' '.join(f'{x:.0f}' for x in p50s)})"
+                  f"  {statistics.median(rates):5.0f} calls/s ({' '.join(f'{x:.0f}' for x in rates)})"
+                  f"  {statistics.median(per_launch):4.1f} requests/launch", flush=True)
     return 0
 
 

@@ -8,8 +8,9 @@ Runs the server's own code on the request bytes ``bench.service`` sends, without
 - ``parse``: ``SampleRequest.FromString`` (protobuf), per request;
 - ``validate``: ``ops.SampleCall.from_pb``: checks, no copy of the logits, per request;
 - ``launch``: ``run_batch`` of B requests on an event loop, as the batcher runs it: on CUDA
-  the batch's graph replay, polled until done (``--cuda-graphs off``: the eager launch through
-  the launch thread), on the CPU the launch thread. Inputs staged, outputs split per request.
+  the batch's graph replay, polled on the loop for B = 1 (a call alone in the server) and
+  waited for on the launch thread otherwise (``--cuda-graphs off``: the eager launch, on the
+  launch thread), on the CPU the launch thread. Inputs staged, outputs split per request.
   Per launch;
 - ``reply``: ``result.to_pb().SerializeToString()``, per request.
 
@@ -66,7 +67,9 @@ def launch_us(call_type, calls: list, handle: DeviceHandle, repeat: int, max_sec
     """Median time of ``run_batch(calls)`` on an event loop, in us."""
     loop = asyncio.new_event_loop()
     try:
-        return median_us(lambda: loop.run_until_complete(call_type.run_batch(calls, handle)), repeat, max_seconds)
+        alone = len(calls) == 1
+        return median_us(lambda: loop.run_until_complete(call_type.run_batch(calls, handle, alone=alone)),
+                         repeat, max_seconds)
     finally:
         loop.close()
 
