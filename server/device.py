@@ -9,19 +9,21 @@ A Sample or RouteExperts batch replays a CUDA graph (server/graphs.py) when its 
 captured: one byte copy and one replay call, which return at once. The batcher asks for it to
 be polled on the event loop (``launch(..., poll=True)``) when the batch holds every call in the
 server: then there is nothing to wait for, and the two thread hand-overs are saved. Measured on
-the H100 host, Sample 1x128256 bf16, medians of 4 rounds (bench/service_ablation.py):
+the H100 host, Sample 1x128256 bf16, medians of 4 rounds (``python -m bench.service_ablation
+--variants echo,full,full+thread,full+poll --rounds 4``, 2026-11-22):
 
-=============  ============================  ============================
-concurrency    polled on the loop            through the launch thread
-=============  ============================  ============================
-1              1,601 us p50                  1,763 us p50
-8              1,422 calls/s, 1.0 per launch  1,564 calls/s, 2.7 per launch
-64             1,294 calls/s, 1.0 per launch  1,507 calls/s, 4.1 per launch
-=============  ============================  ============================
+===========  =========  =====================  =====================  =====================
+in flight    echo       this rule              always the thread      always polled
+===========  =========  =====================  =====================  =====================
+1            689 us     1,166 us               1,283 us               1,179 us
+8            4,427/s    1,655/s, 1.3 a launch  1,725/s, 2.3 a launch  1,473/s, 1.0 a launch
+64           4,733/s    1,697/s, 2.3 a launch  1,927/s, 3.1 a launch  1,605/s, 1.0 a launch
+===========  =========  =====================  =====================  =====================
 
-Under load the polled launch finishes before the next call has been received (gRPC hands the
-loop one call at a time), so every call launched alone and paid a launch's host work; through
-the thread, the hand-over time lets the next batch fill.
+Always polled, a loaded server launched every call alone: the replay is done before gRPC has
+handed the loop the next call, so each call paid a launch's host work. Through the thread the
+hand-overs give the next batch time to fill. The rule keeps most of the latency gain, and gives
+up part of the throughput of one process (``--workers`` serves more than one process can).
 
 Launching eagerly from the event loop was measured and rejected: each launch held the loop for
 its host work (about forty torch calls), batches stayed at one request and 64 calls in flight got
