@@ -17,8 +17,6 @@ puts them under the same drift.
 - ``full``: the server as it is; ``eager``: with ``--cuda-graphs off``;
 - ``thread`` / ``poll``: every graph replay waited for on the launch thread / polled on the
   event loop (the server polls only a batch that holds every call in the server);
-- ``queued``: ``--max-delay-us 1``, so that no call launches in its own task (a call alone in
-  the server does, with no delay) and every call goes through the batcher's worker;
 - ``swN``: a GIL switch interval of N us in the server.
 """
 
@@ -62,8 +60,6 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
             sys.setswitchinterval(int(v[2:]) * 1e-6)
     if "eager" in variants:
         argv = [*argv, "--cuda-graphs", "off"]
-    if "queued" in variants:
-        argv = [*argv, "--max-delay-us", "1"]
     return main(argv)
 
 

@@ -6,9 +6,7 @@ group. A group launches when it holds ``max_batch_rows`` rows or its oldest call
 makes batches bigger. One worker task per batcher takes ready groups oldest first and launches
 them with their op's ``run_batch`` on the device handle, one at a time (the handle keeps the
 event loop free while the device works: server/device.py). Before a launch, calls whose client
-cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. A call that is
-the only one in the server (``calls_in_server``), with no delay configured, has no one to wait
-for: it launches at once in its own task. The queue is bounded: at
+cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. The queue is bounded: at
 ``max_queue`` waiting calls, :meth:`Batcher.submit` raises :class:`QueueFull` at once. When a
 launch of several calls fails, each call is retried alone, so one bad request cannot fail its
 neighbours.
@@ -62,7 +60,6 @@ class Batcher:
         self._groups: dict[object, _Group] = {}
         self._queued = 0
         self._wakeup = asyncio.Event()
-        self._launching = asyncio.Lock()  # held by whoever launches: the worker, or a call alone
         self._worker: asyncio.Task | None = None
         self._closed = False
         self.before_launch: Callable[[list], None] | None = None  # test hook: see the module docstring
@@ -81,11 +78,6 @@ class Batcher:
             raise Draining("server is shutting down")
         if self._queued >= self.max_queue:
             raise QueueFull(f"queue full: {self._queued} requests waiting (--max-queue {self.max_queue})")
-        if self.max_delay_s == 0 and not self._queued and not self._launching.locked() and self._alone(1):
-            # No one to wait for and no one to batch with: launch in the caller's own task,
-            # without the worker's wake-up and a future to hand the result back.
-            async with self._launching:
-                return (await self._execute([call], queue_seconds=[0.0]))[0]
         loop = asyncio.get_running_loop()
         now = loop.time()
         pending = _Pending(call, loop.create_future(), None if timeout is None else now + timeout, now)
@@ -143,12 +135,7 @@ class Batcher:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            # Taken only once a launch in a caller's own task is over: calls that arrive during
-            # it wait in their groups and go together.
-            async with self._launching:
-                batch = self._take_ready(loop.time())
-                if batch:
-                    await self._launch(batch, loop)
+            batch = self._take_ready(loop.time())
             if batch is None:
                 self._wakeup.clear()
                 # Nothing ready: sleep until submit opens or fills a group, or until the oldest
@@ -159,33 +146,31 @@ class Batcher:
                     await asyncio.wait_for(self._wakeup.wait(), timeout)
                 except asyncio.TimeoutError:
                     pass
-
-    def _alone(self, calls: int) -> bool:
-        """Whether ``calls`` calls are all the server is handling (then a launch is for latency:
-        server/device.py)."""
-        return self.calls_in_server is not None and self.calls_in_server() <= calls
-
-    async def _execute(self, calls: list, queue_seconds: list[float]) -> list:
-        """Launch ``calls`` together (counted and observed as one launch); their results."""
-        if self.metrics is not None:
-            self.metrics.observe_batch(calls[0].op, rows=sum(c.rows for c in calls), requests=len(calls),
-                                       queue_seconds=queue_seconds)
-        self.launches += 1
-        self.batched_requests += len(calls)
-        if self.before_launch is not None:
-            await self.handle.run(self.before_launch, calls)
-        return await type(calls[0]).run_batch(calls, self.handle, alone=self._alone(len(calls)))
+                continue
+            if batch:
+                await self._launch(batch, loop)
 
     async def _launch(self, batch: list[_Pending], loop) -> None:
         calls = [p.call for p in batch]
+        op = calls[0].op
         start = loop.time()
+        if self.metrics is not None:
+            self.metrics.observe_batch(op, rows=sum(c.rows for c in calls), requests=len(calls),
+                                       queue_seconds=[start - p.enqueued for p in batch])
+        self.launches += 1
+        self.batched_requests += len(calls)
         try:
-            results = await self._execute(calls, [start - p.enqueued for p in batch])
+            if self.before_launch is not None:
+                await self.handle.run(self.before_launch, calls)
+            # A batch that holds every call in the server has no one to wait for: launch it for
+            # latency (server/device.py).
+            alone = self.calls_in_server is not None and self.calls_in_server() <= len(calls)
+            results = await type(calls[0]).run_batch(calls, self.handle, alone=alone)
         except Exception as exc:  # noqa: BLE001 - handed to the calls, or isolated below
             if len(batch) == 1:
                 self._resolve(batch[0], exc=exc)
                 return
-            log_event(log, "batch failed, retrying calls alone", op=calls[0].op, calls=len(batch), error=repr(exc))
+            log_event(log, "batch failed, retrying calls alone", op=op, calls=len(batch), error=repr(exc))
             for p in batch:
                 await self._launch([p], loop)
             return

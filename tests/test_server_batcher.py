@@ -77,19 +77,6 @@ def test_a_batch_launches_alone_when_it_holds_every_call_in_the_server(in_server
     assert handle.batches == [[0, 1, 2]] and handle.alone == [alone]
 
 
-def test_a_call_alone_in_the_server_launches_in_its_own_task():
-    async def main():
-        handle = FakeHandle()
-        b = Batcher(handle, max_batch_rows=64, max_delay_s=0.0, max_queue=100, calls_in_server=lambda: 1)
-        # No worker started: only the direct path can serve it.
-        result = await asyncio.wait_for(b.submit(FakeCall(7)), 5)
-        return handle, b, result
-
-    handle, b, result = run(main())
-    assert result == 70 and handle.batches == [[7]] and handle.alone == [True]
-    assert b.launches == 1 and b.batched_requests == 1 and b.queue_depth == 0
-
-
 def test_incompatible_calls_launch_apart():
     async def main():
         handle = FakeHandle()
