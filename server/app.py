@@ -110,7 +110,7 @@ class Service:
     async def warm_up(self) -> None:
         """Compile the kernels for the configured dtypes, then report SERVING."""
         dtypes = tuple(_DTYPES_BY_NAME[name] for name in self.config.warmup_dtypes)
-        await self.handle.warm_up(dtypes, ops.warmup_calls)
+        await self.handle.warm_up(dtypes, ops.warmup_calls, self.config.warmup_widths)
         if not self.draining:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -31,6 +31,15 @@ def _dtype_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def _width_list(text: str) -> tuple[int, ...] | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 'auto' or comma-separated integers") from None
+
+
 def _switch(text: str) -> bool:
     value = text.strip().lower()
     if value in ("on", "true", "1", "yes"):
@@ -58,6 +67,8 @@ FLAGS = (
     ("--max-rows", int, _D.max_rows, "most rows in a request"),
     ("--warmup-dtypes", _dtype_list, ",".join(_D.warmup_dtypes),
      "comma-separated dtypes compiled before SERVING ('none' for none)"),
+    ("--warmup-widths", _width_list, "auto", "comma-separated row widths (vocabularies) compiled before SERVING "
+     "(auto: 32000,128256,151936 with triton, 64 otherwise)"),
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key of --tls-cert"),
     ("--tls-client-ca", str, None, "PEM CA bundle: require client certificates it signed (mutual TLS)"),
@@ -136,7 +147,7 @@ def to_argv(config: ServerConfig) -> list[str]:
         if isinstance(value, bool):
             value = "on" if value else "off"
         elif isinstance(value, tuple):
-            value = ",".join(value) or "none"
+            value = ",".join(map(str, value)) or "none"
         argv += [flag, str(value)]
     return argv
 

@@ -46,6 +46,10 @@ class ServerConfig:
     max_rows: int = 4096
     # Dtypes whose kernels are compiled before the server reports SERVING.
     warmup_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
+    # Row widths (vocabularies) warm-up compiles for: kernels specialise on the width, so a
+    # width served but not warmed compiles during its first calls (seconds each). None: the
+    # backend's own list (server/device.py: Llama 2, Llama 3 and Qwen 2 vocabularies on triton).
+    warmup_widths: tuple[int, ...] | None = None
     # TLS: server certificate chain and key (PEM files); with a client CA, clients must present
     # a certificate it signed (mutual TLS).
     tls_cert: str | None = None
@@ -86,6 +90,9 @@ class ServerConfig:
         unknown = [d for d in self.warmup_dtypes if d not in FLOAT_DTYPE_NAMES]
         if unknown:
             raise ValueError(f"warmup_dtypes: {unknown} not in {', '.join(FLOAT_DTYPE_NAMES)}")
+        if self.warmup_widths is not None and not all(1 <= w <= self.max_vocab for w in self.warmup_widths):
+            raise ValueError(f"warmup_widths: each must be in [1, max_vocab = {self.max_vocab}], "
+                             f"got {list(self.warmup_widths)}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:

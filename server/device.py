@@ -50,9 +50,9 @@ from .staging import Staging, to_host
 
 log = get_logger("device")
 
-# Row widths warm-up compiles on the compiled backend: the vocabularies of Llama 2 (32000),
-# Llama 3 (128256) and Qwen 2 (151936); block and chunk sizes are chosen per width, so each
-# width a deployment serves should be here.
+# Row widths warm-up compiles on the compiled backend unless --warmup-widths says otherwise: the
+# vocabularies of Llama 2 (32000), Llama 3 (128256) and Qwen 2 (151936); block and chunk sizes
+# are chosen per width, so each width a deployment serves should be warmed.
 # Interpreted and torch backends compile nothing, so a tiny width only checks the path works.
 TRITON_WARMUP_WIDTHS = (32000, 128256, 151936)
 CPU_WARMUP_WIDTHS = (64,)
@@ -169,14 +169,18 @@ class DeviceHandle:
         async with self._lock:
             return await self.submit(fn, *args)
 
-    async def warm_up(self, dtypes: tuple[torch.dtype, ...], make_cases: Callable) -> None:
+    async def warm_up(self, dtypes: tuple[torch.dtype, ...], make_cases: Callable,
+                      widths: tuple[int, ...] | None = None) -> None:
         """Launch every case ``make_cases(dtype, widths)`` returns, logging progress per case.
+
+        ``widths``: the row widths to compile for (None: the backend's own list, above).
 
         ``make_cases`` returns ``(label, call)`` pairs (server.ops.warmup_calls); each call runs
         through its op's ``run_batch`` exactly as a request would, compiling its kernels (and
         capturing its graph).
         """
-        widths = TRITON_WARMUP_WIDTHS if self.backend == "triton" else CPU_WARMUP_WIDTHS
+        if widths is None:
+            widths = TRITON_WARMUP_WIDTHS if self.backend == "triton" else CPU_WARMUP_WIDTHS
         plan = [(dtype, label, call) for dtype in dtypes for label, call in make_cases(dtype, widths)]
         start = time.perf_counter()
         for i, (dtype, label, call) in enumerate(plan, 1):

@@ -49,12 +49,12 @@ def test_defaults():
 def test_flags():
     c = parse(["--host", "127.0.0.1", "--port", "6000", "--device", "cpu", "--backend", "interpret",
                "--max-batch-rows", "8", "--max-delay-us", "0", "--max-queue", "5", "--max-message-bytes", "1024",
-               "--max-vocab", "100", "--max-rows", "3", "--warmup-dtypes", "float32,bfloat16",
+               "--max-vocab", "100", "--max-rows", "3", "--warmup-dtypes", "float32,bfloat16", "--warmup-widths", "64,100",
                "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem", "--auth-token-file", "t",
                "--metrics-port", "9100", "--grace-period-s", "2.5", "--log-level", "debug"])
     assert c == ServerConfig(host="127.0.0.1", port=6000, device="cpu", backend="interpret", max_batch_rows=8,
                              max_delay_us=0, max_queue=5, max_message_bytes=1024, max_vocab=100, max_rows=3,
-                             warmup_dtypes=("float32", "bfloat16"), tls_cert="c.pem", tls_key="k.pem",
+                             warmup_dtypes=("float32", "bfloat16"), warmup_widths=(64, 100), tls_cert="c.pem", tls_key="k.pem",
                              tls_client_ca="ca.pem", auth_token_file="t", metrics_port=9100, grace_period_s=2.5,
                              log_level="debug")
 
@@ -62,10 +62,10 @@ def test_flags():
 def test_environment_variables_and_flags_over_them():
     env = {"LOGITSERVE_PORT": "7000", "LOGITSERVE_MAX_DELAY_US": "15", "LOGITSERVE_WARMUP_DTYPES": "none",
            "LOGITSERVE_AUTH_TOKEN_FILE": "/run/tokens", "LOGITSERVE_GRACE_PERIOD_S": "1.5",
-           "LOGITSERVE_DEVICE": "cpu"}
+           "LOGITSERVE_DEVICE": "cpu", "LOGITSERVE_WARMUP_WIDTHS": "32768,256000"}
     c = parse([], env)
-    assert (c.port, c.max_delay_us, c.warmup_dtypes, c.auth_token_file, c.grace_period_s) == \
-        (7000, 15, (), "/run/tokens", 1.5)
+    assert (c.port, c.max_delay_us, c.warmup_dtypes, c.auth_token_file, c.grace_period_s, c.warmup_widths) == \
+        (7000, 15, (), "/run/tokens", 1.5, (32768, 256000))
     assert parse(["--port", "7001"], env).port == 7001
 
 
@@ -77,12 +77,19 @@ def test_environment_variables_and_flags_over_them():
     (["--tls-cert", "c.pem"], {}),
     (["--port", "70000"], {}),
     (["--max-queue", "0"], {}),
+    (["--warmup-widths", "wide"], {}),
+    (["--warmup-widths", "0"], {}),
+    (["--warmup-widths", "300000"], {}),  # over --max-vocab
 ])
 def test_bad_values_exit_with_usage(argv, env, capsys):
     with pytest.raises(SystemExit) as info:
         parse(argv, env)
     assert info.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_defaults_keep_the_backends_warm_up_widths():
+    assert parse([]).warmup_widths is None and parse(["--warmup-widths", "auto"]).warmup_widths is None
 
 
 def test_version(capsys):
@@ -224,6 +231,7 @@ def test_workers_share_one_port_and_all_drain_on_sigterm():
 
 
 def test_to_argv_parses_back_to_the_same_config():
-    config = parse(["--device", "cpu", "--warmup-dtypes", "none", "--workers", "3", "--cuda-graphs", "off",
+    config = parse(["--device", "cpu", "--warmup-dtypes", "none", "--warmup-widths", "48,64", "--workers", "3",
+                    "--cuda-graphs", "off",
                     "--tls-cert", "c.pem", "--tls-key", "k.pem", "--grace-period-s", "2.5"])
     assert parse(cli.to_argv(config)) == config

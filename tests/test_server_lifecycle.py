@@ -88,6 +88,15 @@ def test_warm_up_compiles_on_the_interpreter(caplog):
         {r.fields["op"] for r in progress}
 
 
+def test_warm_up_compiles_the_configured_widths(caplog):
+    caplog.set_level(logging.INFO, logger="logitserve")
+    with ServerThread(config(backend="torch", warmup_dtypes=("float32",), warmup_widths=(48, 50))) as server:
+        with grpc.insecure_channel(server.target) as channel:
+            assert check(channel) == SERVING
+    ops = {r.fields["op"] for r in caplog.records if r.getMessage() == "warmup"}
+    assert {"sample 1x48", "softmax 16x50"} <= ops and not any(op.endswith("x64") for op in ops)
+
+
 def test_reflection_lists_the_services():
     with ServerThread(config()) as server, grpc.insecure_channel(server.target) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
