@@ -54,6 +54,7 @@ class Gate:
         self.launches: list[int] = []
         self.allowed = float("inf")
         self.fail_all = False
+        self.out_of_memory_over = float("inf")  # launches of more calls than this run out of device memory
         self._cond = threading.Condition()
 
     def __call__(self, calls) -> None:
@@ -63,6 +64,8 @@ class Gate:
             self._cond.notify_all()
             if not self._cond.wait_for(lambda: self.allowed >= n, timeout=60):
                 raise RuntimeError("test gate never opened")
+        if len(calls) > self.out_of_memory_over:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected, a launch of {len(calls)} calls)")
         if self.fail_all:
             raise RuntimeError("injected device fault (all launches)")
         if any(float(c.x.torch().reshape(-1)[0]) == POISON for c in calls):
@@ -204,6 +207,26 @@ def test_the_batcher_sees_how_many_calls_the_server_holds(gated):
         assert calls_in_server() == 4  # the held call and the three queued
     assert [_outcome(f)[0] for f in futures] == [OK] * 3
     _wait_until(lambda: calls_in_server() == 0)
+
+
+def test_out_of_device_memory_is_resource_exhausted_and_a_batch_retries_its_calls_alone(gated):
+    server, gate, stub = gated
+    xs = [_x(i) for i in range(3)]
+    gate.out_of_memory_over = 1
+    with _held_launch(server, gate, stub):
+        futures = _queue(server, stub, xs)
+    for f, x in zip(futures, xs):
+        code, out = _outcome(f)
+        assert code == OK
+        np.testing.assert_array_equal(out, _expected(x))
+    assert gate.launches[-4:] == [3, 1, 1, 1]  # the batch of 3 ran out of memory; alone, each fits
+    gate.out_of_memory_over = 0  # now not even one call fits
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Softmax(_request(_x(5)), timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of memory" in info.value.details()
+    gate.out_of_memory_over = float("inf")
+    code, out = _outcome(stub.Softmax.future(_request(_x(6)), timeout=30))
+    assert code == OK
 
 
 # ------------------------------------------------------------------------- clients that leave
