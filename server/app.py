@@ -10,6 +10,7 @@ finish within ``grace`` seconds.
 from __future__ import annotations
 
 import asyncio
+import logging
 import pathlib
 
 import grpc
@@ -24,7 +25,7 @@ from .auth import TokenStore
 from .batcher import Batcher
 from .config import ServerConfig
 from .device import DeviceHandle
-from .guard import Guard, GuardedRegistrar
+from .guard import Guard, GuardedRegistrar, status_for
 from .logs import get_logger, log_event
 from .metrics import Metrics
 from .servicer import LogitServeServicer
@@ -64,10 +65,12 @@ class Service:
         guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens)
         self.batcher = Batcher(self.handle, max_batch_rows=config.max_batch_rows,
                                max_delay_s=config.max_delay_us * 1e-6, max_queue=config.max_queue,
-                               metrics=self.metrics, calls_in_server=lambda: guard.in_flight)
+                               metrics=self.metrics, calls_in_server=lambda: guard.in_flight,
+                               on_failure=self._after_failed_launch)
         self.metrics.queue_depth.set_function(lambda: self.batcher.queue_depth)
         self.health = health.aio.HealthServicer()
         self.draining = False
+        self.device_lost = False
         self._stopped: asyncio.Event | None = None
 
         limit = config.max_message_bytes
@@ -111,10 +114,25 @@ class Service:
         """Compile the kernels for the configured dtypes, then report SERVING."""
         dtypes = tuple(_DTYPES_BY_NAME[name] for name in self.config.warmup_dtypes)
         await self.handle.warm_up(dtypes, ops.warmup_calls, self.config.warmup_widths)
-        if not self.draining:
+        if not self.draining and not self.device_lost:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             log_event(log, "serving", port=self.port)
+
+    async def _after_failed_launch(self, exc: BaseException) -> None:
+        """After a launch failed as a fault (INTERNAL), check the device; a device that can run
+        nothing more turns health NOT_SERVING for good, so that load balancers and orchestrators
+        (the image's HEALTHCHECK, a Kubernetes probe) take this replica out and restart it."""
+        if self.device_lost or status_for(exc)[0] != grpc.StatusCode.INTERNAL:
+            return
+        try:
+            await self.handle.run(self.handle.check)
+        except Exception as lost:  # noqa: BLE001 - whatever the driver raises, the device is gone
+            self.device_lost = True
+            log_event(log, "device lost", level=logging.ERROR, device=str(self.handle.device), error=repr(lost),
+                      after=repr(exc))
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, give in-flight calls ``grace`` seconds, release all."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 from .errors import DeadlineExpired, Draining, QueueFull
 from .logs import get_logger, log_event
@@ -48,8 +48,10 @@ class Batcher:
     """Coalesces compatible calls into launches on one :class:`~.device.DeviceHandle`."""
 
     def __init__(self, handle, *, max_batch_rows: int, max_delay_s: float, max_queue: int, metrics=None,
-                 calls_in_server: Callable[[], int] | None = None):
+                 calls_in_server: Callable[[], int] | None = None,
+                 on_failure: Callable[[BaseException], Awaitable[None]] | None = None):
         self.handle = handle
+        self.on_failure = on_failure  # awaited with what a launch of one call raised
         self.calls_in_server = calls_in_server  # RPCs the server is handling (Guard.in_flight), if known
         self.max_batch_rows = max_batch_rows
         self.max_delay_s = max_delay_s
@@ -169,6 +171,8 @@ class Batcher:
         except Exception as exc:  # noqa: BLE001 - handed to the calls, or isolated below
             if len(batch) == 1:
                 self._resolve(batch[0], exc=exc)
+                if self.on_failure is not None:
+                    await self.on_failure(exc)
                 return
             log_event(log, "batch failed, retrying calls alone", op=op, calls=len(batch), error=repr(exc))
             for p in batch:

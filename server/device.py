@@ -169,6 +169,12 @@ class DeviceHandle:
         async with self._lock:
             return await self.submit(fn, *args)
 
+    def check(self) -> None:
+        """On the launch thread: raise if the device can no longer run anything (a sticky CUDA
+        error, such as an illegal memory access, fails every later call on the context)."""
+        if self.stream is not None:
+            torch.cuda.synchronize(self.device)
+
     async def warm_up(self, dtypes: tuple[torch.dtype, ...], make_cases: Callable,
                       widths: tuple[int, ...] | None = None) -> None:
         """Launch every case ``make_cases(dtype, widths)`` returns, logging progress per case.

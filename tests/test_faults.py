@@ -229,6 +229,24 @@ def test_out_of_device_memory_is_resource_exhausted_and_a_batch_retries_its_call
     assert code == OK
 
 
+def _health(server) -> int:
+    with grpc.insecure_channel(server.target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+def test_a_fault_that_leaves_the_device_unusable_turns_health_not_serving(gated):
+    server, gate, stub = gated
+
+    def device_gone():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    server.service.handle.check = device_gone  # what the device check meets after a sticky CUDA error
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Softmax(_request(torch.full((1, 6), POISON)), timeout=30)
+    assert info.value.code() == INTERNAL
+    _wait_until(lambda: _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 # ------------------------------------------------------------------------- clients that leave
 
 
