@@ -71,6 +71,10 @@ def spec(variant: str, device: str) -> ServerSpec:
                                 "127.0.0.1", "--device", device, "--warmup-dtypes", warm])
 
 
+def _each(values) -> str:
+    return " ".join(f"{x:.0f}" for x in values)
+
+
 def launch_counts(variant: str, target: str) -> tuple[int, int]:
     """The server's (launches, requests they served) so far; zeros for the echo server."""
     if variant == "echo":
@@ -111,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     for concurrency, _ in CASES:
         for v in variants:
             p50s, rates, per_launch = zip(*runs[(v, concurrency)])
-            print(f"{v:16s} c={concurrency:3d} p50 {statistics.median(p50s):6.0f} us ({' '.join(f'{x:.0f}' for x in p50s)})"
-                  f"  {statistics.median(rates):5.0f} calls/s ({' '.join(f'{x:.0f}' for x in rates)})"
+            print(f"{v:16s} c={concurrency:3d} p50 {statistics.median(p50s):6.0f} us ({_each(p50s)})"
+                  f"  {statistics.median(rates):5.0f} calls/s ({_each(rates)})"
                   f"  {statistics.median(per_launch):4.1f} requests/launch", flush=True)
     return 0
 

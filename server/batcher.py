@@ -6,10 +6,10 @@ group. A group launches when it holds ``max_batch_rows`` rows or its oldest call
 makes batches bigger. One worker task per batcher takes ready groups oldest first and launches
 them with their op's ``run_batch`` on the device handle, one at a time (the handle keeps the
 event loop free while the device works: server/device.py). Before a launch, calls whose client
-cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. The queue is bounded: at
-``max_queue`` waiting calls, :meth:`Batcher.submit` raises :class:`QueueFull` at once. When a
-launch of several calls fails, each call is retried alone, so one bad request cannot fail its
-neighbours.
+cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. The queue is
+bounded: at ``max_queue`` waiting calls, :meth:`Batcher.submit` raises :class:`QueueFull` at
+once. When a launch of several calls fails, each call is retried alone, so one bad request
+cannot fail its neighbours; after a call fails alone, ``on_failure`` (if given) sees why.
 
 ``Batcher.before_launch`` is a test hook, set only in-process (tests, ``bench/server_process.py``)
 and never from the wire: called with a launch's calls on the device's launch thread just before
