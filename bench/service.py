@@ -204,7 +204,7 @@ def wait_serving(target: str, process: subprocess.Popen, timeout_s: float) -> No
 @dataclasses.dataclass
 class Running:
     target: str  # host:port of the gRPC server
-    metrics_url: str | None  # its Prometheus /metrics, where it has one
+    metrics_urls: list[str]  # its Prometheus /metrics, one per worker process (none for echo)
     pid: int  # the server process
 
 
@@ -213,11 +213,12 @@ def running(spec: ServerSpec, startup_timeout_s: float) -> Iterator[Running]:
     """Start ``spec`` on free loopback ports, yield it once SERVING, then stop it (SIGTERM)."""
     port = free_port()
     argv = spec.argv + ["--port", str(port)]
-    metrics_url = None
+    metrics_urls = []
     if not spec.is_echo:
         metrics_port = free_port()
         argv += ["--metrics-port", str(metrics_port)]
-        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        # Worker i of --workers serves its metrics on the port + i.
+        metrics_urls = [f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(_workers(argv))]
     log = tempfile.NamedTemporaryFile("w+", prefix="bench-service-", suffix=".log", delete=False)
     print(f"# starting {spec.label}: {shlex.join(argv)} (log {log.name})", file=sys.stderr, flush=True)
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -226,7 +227,7 @@ def running(spec: ServerSpec, startup_timeout_s: float) -> Iterator[Running]:
         t0 = time.monotonic()
         wait_serving(target, process, startup_timeout_s)
         print(f"# {spec.label} SERVING after {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
-        yield Running(target, metrics_url, process.pid)
+        yield Running(target, metrics_urls, process.pid)
     except BaseException:
         log.flush()
         with open(log.name) as f:
@@ -244,11 +245,27 @@ def running(spec: ServerSpec, startup_timeout_s: float) -> Iterator[Running]:
         os.unlink(log.name)
 
 
-def scrape(metrics_url: str) -> dict[str, float]:
-    """The server's Prometheus samples, each summed over its labels (one op runs per case)."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
+def _workers(argv: list[str]) -> int:
+    """The ``--workers`` a server's argv asks for (1 without it)."""
+    for i, arg in enumerate(argv):
+        if arg == "--workers" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith("--workers="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
+
+def scrape(metrics_urls: list[str]) -> dict[str, float]:
+    """The server's Prometheus samples, each summed over its labels (one op runs per case) and
+    over its worker processes."""
     totals: dict[str, float] = {}
+    for url in metrics_urls:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            _add_samples(reply.read().decode(), totals)
+    return totals
+
+
+def _add_samples(text: str, totals: dict[str, float]) -> None:
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -256,7 +273,6 @@ def scrape(metrics_url: str) -> dict[str, float]:
         name = name_labels.split("{", 1)[0]
         with contextlib.suppress(ValueError):
             totals[name] = totals.get(name, 0.0) + float(value)
-    return totals
 
 
 def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
@@ -424,14 +440,13 @@ def _process_tree(pid: int) -> list[int]:
 
 
 def run_case(spec: ServerSpec, server: Running, payload: Payload, concurrency: int, args) -> Result:
-    url = server.metrics_url
     monitor: OtherLoad | None = None
 
     def snapshot() -> dict:
         nonlocal monitor
         if monitor is None:  # after the warm-up: the timed part starts
             monitor = OtherLoad([*_process_tree(server.pid), os.getpid()])
-        return scrape(url) if url is not None else {}
+        return scrape(server.metrics_urls)
 
     if args.load_processes > 1:
         before = snapshot()
@@ -447,7 +462,7 @@ def run_case(spec: ServerSpec, server: Running, payload: Payload, concurrency: i
                     percentile(latencies, 50), percentile(latencies, 99),
                     len(latencies) / wall if wall > 0 else float("nan"))
     result.other_load = monitor.fraction() if monitor is not None else None
-    if url is not None:
+    if server.metrics_urls:
         launches = _delta(before, after, "logitserve_launches_total")
         if launches > 0:
             result.requests_per_launch = _delta(before, after, "logitserve_batch_requests_sum") / launches
