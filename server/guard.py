@@ -184,7 +184,15 @@ class Guard:
                 raise Unauthenticated("missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
             return _decoded(request)
 
-        async def fail(exc: Exception, record: CallRecord, context) -> None:
+        async def ended_by(exc: BaseException, record: CallRecord, context) -> None:
+            """Record how a call that raised ``exc`` ended. A cancellation (the client left) and
+            gRPC's own abort are re-raised; anything else is answered with its status."""
+            if isinstance(exc, asyncio.CancelledError):
+                record.code = grpc.StatusCode.CANCELLED
+                raise exc
+            if isinstance(exc, grpc.aio.AbortError):
+                record.code = context.code() or grpc.StatusCode.UNKNOWN
+                raise exc
             record.code, message = status_for(exc)
             if record.code == grpc.StatusCode.INTERNAL:
                 log_event(log, "fault", level=logging.ERROR, exc_info=exc, request_id=record.request_id, rpc=rpc)
@@ -196,14 +204,8 @@ class Guard:
                 record, metadata = admit(context)
                 try:
                     return await behaviour(check(metadata, request), context)
-                except asyncio.CancelledError:
-                    record.code = grpc.StatusCode.CANCELLED
-                    raise
-                except grpc.aio.AbortError:
-                    record.code = context.code() or grpc.StatusCode.UNKNOWN
-                    raise
-                except Exception as exc:  # noqa: BLE001 - mapped to a status, never lost
-                    await fail(exc, record, context)
+                except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - mapped to a status, never lost
+                    await ended_by(exc, record, context)
                 finally:
                     self._finish(record, t0)
             return wrapped
@@ -220,14 +222,8 @@ class Guard:
                 try:
                     async for response in behaviour(check(metadata, request), context):
                         yield response
-                except asyncio.CancelledError:
-                    record.code = grpc.StatusCode.CANCELLED
-                    raise
-                except grpc.aio.AbortError:
-                    record.code = context.code() or grpc.StatusCode.UNKNOWN
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await fail(exc, record, context)
+                except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - as in unary
+                    await ended_by(exc, record, context)
                 finally:
                     self._finish(record, t0)
             return wrapped
