@@ -1,4 +1,4 @@
-"""Shared fixtures: which backends run here, and the comparison and poisoning helpers.
+"""Shared fixtures: which backends run here, and a client of a test module's ``server``.
 
 On a machine without CUDA the kernels are tested through the torch reference and through
 Triton's interpreter; where CUDA is present the compiled Triton backend joins them.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from logitserve.client import Client
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -40,3 +42,10 @@ def gen() -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(torch.randint(0, 2**31 - 1, ()).item())
     return g
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """A client of the ``server`` fixture the test's module defines."""
+    with Client(server.target, timeout=120) as c:
+        yield c

@@ -14,6 +14,12 @@ TOLERANCES = {
 }
 
 
+def seeded_logits(rows: int, vocab: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """Logits ``[rows, vocab]`` of standard deviation 3 from ``seed``: the same on every call."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+
+
 def wide_row_rtol(dtype: torch.dtype, width: int) -> float | None:
     """The rtol for a softmax over rows of ``width``: a float32 sum over ~100K terms carries more
     rounding than float32's default 1e-5 allows (the torch backend gave 1.4e-5 relative on a

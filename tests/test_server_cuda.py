@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import seeded_logits
 from logitserve import kernels
-from logitserve.client import Client
 from logitserve.server import ServerConfig
 from logitserve.server.testing import ServerThread
 
@@ -29,17 +29,6 @@ def server():
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with Client(server.target, timeout=120) as c:
-        yield c
-
-
-def _logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
-
-
 def _direct_sample(logits: torch.Tensor, **params) -> np.ndarray:
     on_device = {k: torch.tensor(v, device=DEVICE) if isinstance(v, list) else v for k, v in params.items()}
     return kernels.sample(logits.to(DEVICE), backend="triton", **on_device).cpu().numpy()
@@ -47,7 +36,7 @@ def _direct_sample(logits: torch.Tensor, **params) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sample_per_row_and_scalar_parameters(client, dtype):
-    logits = _logits(4, 128256, dtype, seed=1)
+    logits = seeded_logits(4, 128256, dtype, seed=1)
     rows = dict(temperature=[0.7, 1.0, 0.0, 1.3], top_k=[0, 50, 0, 20], top_p=[0.9, 1.0, 1.0, 0.5],
                 min_p=[0.0, 0.05, 0.0, 0.0], seed=[11, 12, 13, 14], step=[0, 3, 1, 7])
     np.testing.assert_array_equal(client.sample(logits, **rows).token_ids, _direct_sample(logits, **rows))
@@ -56,7 +45,7 @@ def test_sample_per_row_and_scalar_parameters(client, dtype):
 
 
 def test_concurrent_samples_share_launches_and_match_alone(server, client):
-    logits = _logits(48, 32000, torch.bfloat16, seed=2)
+    logits = seeded_logits(48, 32000, torch.bfloat16, seed=2)
     params = [dict(temperature=0.5 + 0.02 * i, top_k=(0, 20, 50)[i % 3], top_p=0.8 + 0.004 * i, seed=100 + i, step=i)
               for i in range(48)]
     alone = [client.sample(logits[i:i + 1], **p).token_ids[0] for i, p in enumerate(params)]
@@ -75,16 +64,16 @@ def test_concurrent_samples_share_launches_and_match_alone(server, client):
 
 
 def test_route_experts_softmax_and_activations(client):
-    gate = _logits(64, 256, torch.bfloat16, seed=3)
+    gate = seeded_logits(64, 256, torch.bfloat16, seed=3)
     weights, indices = client.route_experts(gate, 8)
     w, i = kernels.topk_softmax(gate.to(DEVICE), 8, backend="triton")
     np.testing.assert_array_equal(weights, w.cpu().numpy())
     np.testing.assert_array_equal(indices, i.cpu().numpy())
 
-    x = _logits(3, 4099, torch.float32, seed=4)
+    x = seeded_logits(3, 4099, torch.float32, seed=4)
     np.testing.assert_array_equal(client.softmax(x), kernels.softmax(x.to(DEVICE)).cpu().numpy())
-    scores = _logits(2 * 5, 9, torch.float32, seed=5).reshape(2, 5, 9)
+    scores = seeded_logits(2 * 5, 9, torch.float32, seed=5).reshape(2, 5, 9)
     np.testing.assert_array_equal(client.causal_softmax(scores), kernels.causal_softmax(scores.to(DEVICE)).cpu().numpy())
-    up = _logits(3, 4099, torch.float32, seed=6)
+    up = seeded_logits(3, 4099, torch.float32, seed=6)
     np.testing.assert_array_equal(client.silu(x), kernels.silu(x.to(DEVICE)).cpu().numpy())
     np.testing.assert_array_equal(client.swiglu(x, up), kernels.swiglu(x.to(DEVICE), up.to(DEVICE)).cpu().numpy())

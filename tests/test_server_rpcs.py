@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import seeded_logits
 from logitserve import kernels
 from logitserve.client import AsyncClient, Client
 from logitserve.server import ServerConfig
@@ -30,19 +31,8 @@ def server(request):
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with Client(server.target, timeout=120) as c:
-        yield c
-
-
 def _backend(server) -> str:
     return server.config.backend
-
-
-def _logits(rows: int, vocab: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -55,7 +45,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_sample_matches_kernel(server, client, dtype):
-    logits = _logits(4, 67, dtype)
+    logits = seeded_logits(4, 67, dtype)
     params = dict(temperature=[0.7, 1.0, 0.0, 1.3], top_k=[0, 5, 0, 20], top_p=[0.9, 1.0, 1.0, 0.5],
                   min_p=[0.0, 0.05, 0.0, 0.0], seed=[11, 12, 13, 14], step=[0, 3, 1, 7])
     result = client.sample(logits, **params)
@@ -71,7 +61,7 @@ def test_sample_matches_kernel(server, client, dtype):
 
 
 def test_sample_scalar_parameters_and_joint_order(server, client):
-    logits = _logits(3, 50, seed=1)
+    logits = seeded_logits(3, 50, seed=1)
     for order in ("top_k_first", "joint"):
         result = client.sample(logits.numpy(), temperature=0.8, top_k=10, top_p=0.8, seed=5, step=2,
                                filter_order=order)
@@ -82,7 +72,7 @@ def test_sample_scalar_parameters_and_joint_order(server, client):
 
 
 def test_sample_drawn_seeds_replay(server, client):
-    logits = _logits(3, 40, seed=2)
+    logits = seeded_logits(3, 40, seed=2)
     first = client.sample(logits, temperature=1.5)
     assert first.seeds.dtype == np.int64 and (first.seeds >= 0).all()
     assert len(set(first.seeds.tolist())) == 3  # one fresh seed per row
@@ -93,7 +83,7 @@ def test_sample_drawn_seeds_replay(server, client):
 
 
 def test_sample_invalid_rows(server, client):
-    logits = _logits(3, 16, seed=3)
+    logits = seeded_logits(3, 16, seed=3)
     logits[0, 4] = float("nan")
     logits[2] = float("-inf")
     result = client.sample(logits, seed=1)
@@ -102,7 +92,7 @@ def test_sample_invalid_rows(server, client):
 
 
 def test_sample_random_val_matches_kernel(server, client):
-    logits = _logits(3, 30, seed=4)
+    logits = seeded_logits(3, 30, seed=4)
     rv = [0.0, 0.5, 0.999]
     result = client.sample(logits, temperature=0.9, top_k=7, top_p=0.8, random_val=rv)
     expect = kernels.sample(logits, temperature=0.9, top_k=7, top_p=0.8, random_val=torch.tensor(rv),
@@ -118,7 +108,7 @@ REAL_WIDTHS = (32000, 128256, 151936)
 def test_sample_real_vocab_widths(server, client):
     backend = _backend(server)
     for vocab in REAL_WIDTHS:
-        logits = _logits(2, vocab, seed=5)
+        logits = seeded_logits(2, vocab, seed=5)
         result = client.sample(logits, temperature=0.7, top_p=0.95, seed=[1, 2])
         expect = kernels.sample(logits, temperature=0.7, top_p=0.95, seed=torch.tensor([1, 2]), backend=backend)
         np.testing.assert_array_equal(result.token_ids, expect.numpy(), err_msg=f"V={vocab}")
@@ -130,7 +120,7 @@ def test_sample_real_vocab_widths(server, client):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_route_experts_matches_kernel(server, client, dtype, renormalize):
-    gate = _logits(5, 12, dtype, seed=6)
+    gate = seeded_logits(5, 12, dtype, seed=6)
     weights, indices = client.route_experts(gate, 3, renormalize=renormalize)
     w, i = kernels.topk_softmax(gate, 3, renormalize=renormalize, backend=_backend(server))
     assert weights.dtype == np.float32 and indices.dtype == np.int32
@@ -140,7 +130,7 @@ def test_route_experts_matches_kernel(server, client, dtype, renormalize):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_softmax_matches_kernel(server, client, dtype):
-    x = _logits(3, 33, dtype, seed=7)
+    x = seeded_logits(3, 33, dtype, seed=7)
     np.testing.assert_array_equal(client.softmax(x), _np(kernels.softmax(x, backend=_backend(server))))
     x3 = x.reshape(3, 3, 11)
     np.testing.assert_array_equal(client.softmax(x3, dim=0), _np(kernels.softmax(x3, dim=0, backend=_backend(server))))
@@ -220,14 +210,14 @@ def test_stream_steps_feeds_back_tokens(server, client):
     import queue
 
     pending: queue.Queue = queue.Queue()
-    pending.put({"id": "0", "sample": {"logits": _logits(1, 10, seed=0), "temperature": 0.0}})
+    pending.put({"id": "0", "sample": {"logits": seeded_logits(1, 10, seed=0), "temperature": 0.0}})
     tokens = []
     for result in client.stream_steps(iter(pending.get, None)):
         tokens.append(int(result.sample.token_ids[0]))
         if len(tokens) == 4:
             pending.put(None)
         else:
-            logits = _logits(1, 10, seed=len(tokens))
+            logits = seeded_logits(1, 10, seed=len(tokens))
             logits[0, (tokens[-1] + 1) % 10] = 100.0  # greedy picks the successor of the last token
             pending.put({"id": str(len(tokens)), "sample": {"logits": logits, "temperature": 0.0}})
     assert tokens[1:] == [(t + 1) % 10 for t in tokens[:-1]]
@@ -254,7 +244,7 @@ def test_async_client_stream_and_calls(server):
 
 def test_concurrent_samples_share_launches(server, client):
     n = 8
-    rows = [_logits(1, 64, seed=200 + i) for i in range(n)]
+    rows = [seeded_logits(1, 64, seed=200 + i) for i in range(n)]
     kwargs = [dict(temperature=0.5 + 0.1 * i, top_k=[0, 8][i % 2], top_p=[1.0, 0.9][i % 2], seed=1000 + i, step=i)
               for i in range(n)]
     batcher = server.service.batcher
@@ -280,7 +270,7 @@ def test_concurrent_samples_share_launches(server, client):
 
 
 def test_concurrent_route_experts_share_launches(server):
-    gates = [_logits(2, 16, seed=300 + i) for i in range(6)]
+    gates = [seeded_logits(2, 16, seed=300 + i) for i in range(6)]
 
     async def main():
         async with AsyncClient(server.target, timeout=120) as c:
