@@ -455,8 +455,8 @@ def run(config: LoadConfig) -> dict:
 def markdown(report: dict) -> str:
     rss, lat = report["rss"], report["latency_ms"]
     lines = [
-        f"| clients | seconds | calls | calls/s | OK (checked) | expected errors | unexpected | wrong | "
-        f"p50 / p99 ms | RSS warm -> end (MiB) | RSS slope (MiB/min) |",
+        "| clients | seconds | calls | calls/s | OK (checked) | expected errors | unexpected | wrong | "
+        "p50 / p99 ms | RSS warm -> end (MiB) | RSS slope (MiB/min) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         f"| {report['clients']} | {report['seconds']:.0f} | {report['calls']} | {report['calls_per_s']} | "
         f"{report['ok']} | {report['expected_errors']} | {report['unexpected']} | {report['wrong']} | "

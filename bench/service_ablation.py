@@ -17,6 +17,8 @@ puts them under the same drift.
 - ``full``: the server as it is; ``eager``: with ``--cuda-graphs off``;
 - ``thread`` / ``poll``: every graph replay waited for on the launch thread / polled on the
   event loop (the server polls only a batch that holds every call in the server);
+- ``queued``: every call goes through the batcher's queue (the server launches a call that
+  finds it idle at once, in its handler); ``idleN``: at once after N us idle (the server: 300);
 - ``swN``: a GIL switch interval of N us in the server.
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import statistics
 import sys
 
@@ -36,11 +39,11 @@ CASES = ((1, 400), (8, 1500), (64, 3000))  # (concurrency, calls per round)
 
 def serve_patched(variants: set[str], argv: list[str]) -> int:
     """Apply ``variants`` to the server's modules, then run ``logitserve serve argv``."""
-    from logitserve.server import device, ops, servicer
+    from logitserve.server import batcher, device, ops, servicer
     from logitserve.server.cli import main
 
     if "noop" in variants:
-        async def run_batch(calls, handle, alone=False):
+        async def run_batch(calls, handle, wait=None):
             return [ops.SampleResult([0] * c.rows, c.seeds()) for c in calls]
         ops.SampleCall.run_batch = staticmethod(run_batch)
     if "const" in variants:
@@ -58,6 +61,10 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
     for v in variants:
         if v.startswith("sw"):
             sys.setswitchinterval(int(v[2:]) * 1e-6)
+        if v.startswith("idle"):
+            batcher.AT_ONCE_AFTER_IDLE_S = int(v[4:]) * 1e-6
+    if "queued" in variants:
+        batcher.AT_ONCE_AFTER_IDLE_S = math.inf
     if "eager" in variants:
         argv = [*argv, "--cuda-graphs", "off"]
     return main(argv)

@@ -7,10 +7,10 @@ Runs the server's own code on the request bytes ``bench.service`` sends, without
 
 - ``parse``: ``SampleRequest.FromString`` (protobuf), per request;
 - ``validate``: ``ops.SampleCall.from_pb``: checks, no copy of the logits, per request;
-- ``launch``: ``run_batch`` of B requests on an event loop, as the batcher runs it: on CUDA
-  the batch's graph replay, polled on the loop for B = 1 (a call alone in the server) and
-  waited for on the launch thread otherwise (``--cuda-graphs off``: the eager launch, on the
-  launch thread), on the CPU the launch thread. Inputs staged, outputs split per request.
+- ``launch``: ``run_batch`` of B requests on an event loop, as the server runs it: on CUDA
+  the batch's graph replay, spun for on the loop for B = 1 (a call that finds the server idle)
+  and waited for on the launch thread otherwise (``--cuda-graphs off``: the eager launch, on
+  the launch thread), on the CPU the launch thread. Inputs staged, outputs split per request.
   Per launch;
 - ``reply``: ``result.to_pb().SerializeToString()``, per request.
 
@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from logitserve.server import ops
-from logitserve.server.device import DeviceHandle
+from logitserve.server.device import DeviceHandle, Wait
 from logitserve.v1 import logitserve_pb2 as pb
 
 from .service import OtherLoad, Payload, payloads
@@ -67,8 +67,8 @@ def launch_us(call_type, calls: list, handle: DeviceHandle, repeat: int, max_sec
     """Median time of ``run_batch(calls)`` on an event loop, in us."""
     loop = asyncio.new_event_loop()
     try:
-        alone = len(calls) == 1
-        return median_us(lambda: loop.run_until_complete(call_type.run_batch(calls, handle, alone=alone)),
+        wait = Wait.SPIN if len(calls) == 1 else Wait.THREAD  # as an idle server's lone call, or under load
+        return median_us(lambda: loop.run_until_complete(call_type.run_batch(calls, handle, wait=wait)),
                          repeat, max_seconds)
     finally:
         loop.close()

@@ -65,7 +65,7 @@ class Service:
         guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens)
         self.batcher = Batcher(self.handle, max_batch_rows=config.max_batch_rows,
                                max_delay_s=config.max_delay_us * 1e-6, max_queue=config.max_queue,
-                               metrics=self.metrics, calls_in_server=lambda: guard.in_flight,
+                               metrics=self.metrics, occupancy=guard.occupancy,
                                on_failure=self._after_failed_launch)
         self.metrics.queue_depth.set_function(lambda: self.batcher.queue_depth)
         self.health = health.aio.HealthServicer()

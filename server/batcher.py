@@ -22,10 +22,19 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from .device import Wait
 from .errors import DeadlineExpired, Draining, QueueFull
+from .guard import Occupancy
 from .logs import get_logger, log_event
 
 log = get_logger("batcher")
+
+# A call that finds the server empty after this long launches at once in its own handler, not
+# through the queue. A client calling one call after another leaves the server empty for its
+# whole round trip (700 us and more on the H100 host); under load the next call is in gRPC's
+# hands as the last one ends, and comes within about 150 us: those go through the queue and
+# batch.
+AT_ONCE_AFTER_IDLE_S = 300e-6
 
 
 @dataclass(eq=False)
@@ -48,11 +57,12 @@ class Batcher:
     """Coalesces compatible calls into launches on one :class:`~.device.DeviceHandle`."""
 
     def __init__(self, handle, *, max_batch_rows: int, max_delay_s: float, max_queue: int, metrics=None,
-                 calls_in_server: Callable[[], int] | None = None,
+                 occupancy: Occupancy | None = None,
                  on_failure: Callable[[BaseException], Awaitable[None]] | None = None):
         self.handle = handle
         self.on_failure = on_failure  # awaited with what a launch of one call raised
-        self.calls_in_server = calls_in_server  # RPCs the server is handling (Guard.in_flight), if known
+        self.occupancy = occupancy  # the RPCs the server is handling (Guard.occupancy), if known
+        self.at_once_after_idle_s = AT_ONCE_AFTER_IDLE_S
         self.max_batch_rows = max_batch_rows
         self.max_delay_s = max_delay_s
         self.max_queue = max_queue
@@ -61,6 +71,7 @@ class Batcher:
         self.batched_requests = 0  # calls those launches served
         self._groups: dict[object, _Group] = {}
         self._queued = 0
+        self._launching = False  # a launch is under way (the worker's, or one at once)
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._closed = False
@@ -78,6 +89,8 @@ class Batcher:
         """Queue ``call`` and wait for its result; ``timeout`` is the call's remaining deadline."""
         if self._closed:
             raise Draining("server is shutting down")
+        if self._has_server_to_itself():
+            return await self._launch_at_once(call)
         if self._queued >= self.max_queue:
             raise QueueFull(f"queue full: {self._queued} requests waiting (--max-queue {self.max_queue})")
         loop = asyncio.get_running_loop()
@@ -94,6 +107,41 @@ class Batcher:
         if len(group.items) == 1 or group.rows >= self.max_batch_rows:
             self._wakeup.set()  # a new group (the worker times its delay) or a full one
         return await pending.future
+
+    def _has_server_to_itself(self) -> bool:
+        """Whether the call being submitted is the only one in the server, which had been empty
+        for at least ``at_once_after_idle_s`` when it came, and no launch is queued or under way:
+        then no one is there to share its launch, and none is on the way. Never when
+        ``max_delay_s`` asks calls to wait for company."""
+        o = self.occupancy
+        return (o is not None and o.calls == 1 and o.idle_before >= self.at_once_after_idle_s
+                and self._queued == 0 and not self._launching and self.max_delay_s == 0)
+
+    async def _launch_at_once(self, call):
+        """Launch ``call`` alone in the caller's task, its replay waited for by spinning: with the
+        graph captured, the handler runs to its answer without yielding to the event loop."""
+        self._count_launch([call], queue_seconds=[0.0])
+        self._launching = True
+        try:
+            if self.before_launch is not None:
+                await self.handle.run(self.before_launch, [call])
+            result, = await type(call).run_batch([call], self.handle, wait=Wait.SPIN)
+        except Exception as exc:
+            if self.on_failure is not None:
+                await self.on_failure(exc)
+            raise
+        finally:
+            self._launching = False
+            if self._groups:
+                self._wakeup.set()  # calls came meanwhile: the worker's turn
+        return result
+
+    def _count_launch(self, calls: list, queue_seconds: list[float]) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_batch(calls[0].op, rows=sum(c.rows for c in calls), requests=len(calls),
+                                       queue_seconds=queue_seconds)
+        self.launches += 1
+        self.batched_requests += len(calls)
 
     def _forget(self, key, pending: _Pending) -> None:
         # A call cancelled (client gone, deadline) while still queued leaves the queue at once.
@@ -137,12 +185,12 @@ class Batcher:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = self._take_ready(loop.time())
+            batch = None if self._launching else self._take_ready(loop.time())
             if batch is None:
                 self._wakeup.clear()
-                # Nothing ready: sleep until submit opens or fills a group, or until the oldest
-                # group's delay runs out.
-                ready_at = self._next_ready_at()
+                # Nothing ready, or a call launched at once has the device: sleep until submit
+                # opens or fills a group, that launch ends, or the oldest group's delay runs out.
+                ready_at = None if self._launching else self._next_ready_at()
                 timeout = None if ready_at is None else max(ready_at - loop.time(), 0.0)
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), timeout)
@@ -150,31 +198,30 @@ class Batcher:
                     pass
                 continue
             if batch:
-                await self._launch(batch, loop)
+                self._launching = True
+                try:
+                    await self._launch(batch, loop)
+                finally:
+                    self._launching = False
 
     async def _launch(self, batch: list[_Pending], loop) -> None:
         calls = [p.call for p in batch]
-        op = calls[0].op
         start = loop.time()
-        if self.metrics is not None:
-            self.metrics.observe_batch(op, rows=sum(c.rows for c in calls), requests=len(calls),
-                                       queue_seconds=[start - p.enqueued for p in batch])
-        self.launches += 1
-        self.batched_requests += len(calls)
+        self._count_launch(calls, queue_seconds=[start - p.enqueued for p in batch])
         try:
             if self.before_launch is not None:
                 await self.handle.run(self.before_launch, calls)
-            # A batch that holds every call in the server has no one to wait for: launch it for
-            # latency (server/device.py).
-            alone = self.calls_in_server is not None and self.calls_in_server() <= len(calls)
-            results = await type(calls[0]).run_batch(calls, self.handle, alone=alone)
+            # A batch that holds every call in the server has no one to wait for: its replay is
+            # polled on the event loop, saving two thread hand-overs (server/device.py).
+            alone = self.occupancy is not None and self.occupancy.calls <= len(calls)
+            results = await type(calls[0]).run_batch(calls, self.handle, wait=Wait.POLL if alone else Wait.THREAD)
         except Exception as exc:  # noqa: BLE001 - handed to the calls, or isolated below
             if len(batch) == 1:
                 self._resolve(batch[0], exc=exc)
                 if self.on_failure is not None:
                     await self.on_failure(exc)
                 return
-            log_event(log, "batch failed, retrying calls alone", op=op, calls=len(batch), error=repr(exc))
+            log_event(log, "batch failed, retrying calls alone", op=calls[0].op, calls=len(batch), error=repr(exc))
             for p in batch:
                 await self._launch([p], loop)
             return

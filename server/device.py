@@ -33,6 +33,7 @@ its host work (about forty torch calls), batches stayed at one request and 64 ca
 from __future__ import annotations
 
 import asyncio
+import enum
 import platform
 import threading
 import time
@@ -57,8 +58,27 @@ log = get_logger("device")
 TRITON_WARMUP_WIDTHS = (32000, 128256, 151936)
 CPU_WARMUP_WIDTHS = (64,)
 
+# Longest a spinning wait (Wait.SPIN) holds the event loop before it polls instead: many times a
+# lone call's replay (about 50 us for Sample 1x128256 on the H100), short enough that a stuck
+# replay does not stall the loop's other calls and health checks.
+SPIN_LIMIT_S = 2e-3
+
 # The handle whose device and stream the current thread launches on (DeviceHandle._bind).
 _bound = threading.local()
+
+
+class Wait(enum.Enum):
+    """How a graph replay is started and waited for (:meth:`DeviceHandle.launch`)."""
+
+    # On the launch thread, which waits for the stream while the event loop goes on receiving
+    # calls: they fill the next batch.
+    THREAD = "thread"
+    # On the event loop, polling the stream between the loop's other callbacks: a batch that holds
+    # every call in the server saves two thread hand-overs.
+    POLL = "poll"
+    # On the event loop, spinning on the stream: nothing else runs until the replay is done, so
+    # a call that has the server to itself is answered without its handler ever yielding.
+    SPIN = "spin"
 
 
 class DeviceHandle:
@@ -100,14 +120,15 @@ class DeviceHandle:
         return kernels.plan_cache_size()
 
     async def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch, *,
-                     poll: bool = False) -> list[np.ndarray]:
+                     wait: Wait = Wait.THREAD) -> list[np.ndarray]:
         """An op's batched launch, alone on the device; its outputs on the host, as arrays.
 
         ``stage_for(n)`` lays out the batch's inputs for ``n`` rows (``n >= rows``: the rows past
         the batch are padding); ``launch`` maps their device tensors to output tensors (of dtypes
         numpy has) whose dim 0 is rows. Calls with equal ``key`` have the same launch (see
-        server/graphs.py). Returns the outputs' first ``rows`` rows. ``poll``: a graph replay
-        starts and is waited for on the event loop, not the launch thread (see the module notes).
+        server/graphs.py). Returns the outputs' first ``rows`` rows. ``wait``: how a graph replay
+        is started and waited for (:class:`Wait`; a capture or an eager launch always runs on the
+        launch thread).
         """
         async with self._lock:
             if self.graphs is not None:
@@ -118,20 +139,27 @@ class DeviceHandle:
                     if graph is None:
                         graph = await self.submit(self.graphs.capture, key, bucket, stage, launch)
                     self.graphs.replays += 1
-                    if poll:
-                        await self._replay_polled(graph, stage)
-                    else:
+                    if wait is Wait.THREAD:
                         await self.submit(graph.start, stage)  # the thread waits for the stream
+                    else:
+                        await self._replay_on_loop(graph, stage, spin=wait is Wait.SPIN)
                     return graph.outputs(rows)
             return await self.submit(self._launch_eagerly, rows, stage_for, launch)
 
-    async def _replay_polled(self, graph: CapturedLaunch, stage: Staging) -> None:
-        """On the event loop: start ``graph`` over ``stage``, poll until the stream is done."""
+    async def _replay_on_loop(self, graph: CapturedLaunch, stage: Staging, spin: bool) -> None:
+        """On the event loop: start ``graph`` over ``stage`` and wait until the stream is done,
+        spinning first if ``spin`` (for up to SPIN_LIMIT_S), then polling."""
         self._bind()
         graph.start(stage)
         try:
-            while not self.stream.query():
+            done = self.stream.query()
+            if spin:
+                give_up = time.perf_counter() + SPIN_LIMIT_S
+                while not done and time.perf_counter() < give_up:
+                    done = self.stream.query()
+            while not done:
                 await asyncio.sleep(0)  # the loop's other callbacks run between polls
+                done = self.stream.query()
         except BaseException:
             self.stream.synchronize()  # cancelled: the next replay may reuse this one's buffers
             raise
@@ -160,8 +188,23 @@ class DeviceHandle:
         return result
 
     async def submit(self, fn: Callable, *args):
-        """Run ``fn(*args)`` on the launch thread (and stream), not waiting for other launches."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
+        """Run ``fn(*args)`` on the launch thread (and stream), not waiting for other launches.
+
+        A caller cancelled meanwhile (a client that left, whose call was launching in its own
+        handler) gets its CancelledError once ``fn`` has returned, not before: until then the
+        thread is using the stream, and the device must not pass to a replay on the event loop.
+        """
+        done = asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            while not done.done():
+                try:
+                    await asyncio.wait([done])
+                except asyncio.CancelledError:
+                    pass  # cancelled again: the thread still holds the stream
+            done.exception()  # retrieved: what fn raised goes nowhere, the caller has left
+            raise
 
     async def run(self, fn: Callable, *args):
         """Run ``fn(*args)`` alone on the device's launch thread (and stream); return its result

@@ -65,9 +65,29 @@ class CallRecord:
 
     rpc: str
     request_id: str
-    counted: bool  # in Guard.in_flight
+    counted: bool  # in Guard.occupancy
     rows: int = 0
     code: grpc.StatusCode = grpc.StatusCode.OK
+
+
+class Occupancy:
+    """The calls the server is handling (health checks aside, their Watch streams are long), and
+    how long it had been empty when the latest call that found it empty arrived."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.idle_before = 0.0  # seconds
+        self._empty_since = time.monotonic()
+
+    def enter(self) -> None:
+        if self.calls == 0:
+            self.idle_before = time.monotonic() - self._empty_since
+        self.calls += 1
+
+    def leave(self) -> None:
+        self.calls -= 1
+        if self.calls == 0:
+            self._empty_since = time.monotonic()
 
 
 _current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("logitserve_call", default=None)
@@ -159,7 +179,7 @@ class Guard:
         self._metrics = metrics
         self._is_draining = is_draining
         self._tokens = tokens
-        self.in_flight = 0  # calls admitted and not yet finished, health checks (long Watch streams) aside
+        self.occupancy = Occupancy()  # calls admitted and not yet finished
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         rpc = method.rsplit("/", 1)[-1]
@@ -170,7 +190,8 @@ class Guard:
             """The call's record (set as the current one) and its metadata."""
             metadata = _metadata(context)
             record = CallRecord(rpc, metadata.get(REQUEST_ID_KEY) or _new_request_id(), counted=not exempt)
-            self.in_flight += record.counted
+            if record.counted:
+                self.occupancy.enter()
             # Runs inside the handler's task: the record it sets is that call's alone.
             _current.set(record)
             context.set_trailing_metadata(((REQUEST_ID_KEY, record.request_id),))
@@ -231,7 +252,8 @@ class Guard:
         return _rebuild(handler, unary, stream)
 
     def _finish(self, record: CallRecord, t0: float) -> None:
-        self.in_flight -= record.counted
+        if record.counted:
+            self.occupancy.leave()
         seconds = time.perf_counter() - t0
         if self._metrics is not None:
             self._metrics.observe_rpc(record.rpc, record.code.name, seconds)

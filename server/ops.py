@@ -4,9 +4,9 @@ Each ``*Call`` is made from its request message by ``from_pb`` (all validation h
 raising ``ValueError`` / ``TypeError`` naming the field, or :class:`TooLarge`), knows its
 batching ``key`` (calls with equal keys may share a launch; ``None`` never shares) and its
 ``rows``, and launches a list of compatible calls at once with ``await run_batch(calls, handle,
-alone)``, which returns one result per call: Sample and RouteExperts through the device's graph
-replays (:meth:`.device.DeviceHandle.launch`; ``alone``, the batch holds every call in the
-server: polled on the event loop), the others with torch on its launch thread. Results turn back
+wait)``, which returns one result per call: Sample and RouteExperts through the device's graph
+replays (:meth:`.device.DeviceHandle.launch`, waited for as ``wait`` says), the others with
+torch on its launch thread. Results turn back
 into messages with ``to_pb``. Protobuf stops here: the kernels only see torch tensors.
 """
 
@@ -25,6 +25,7 @@ from logitserve import kernels
 from logitserve.kernels.topk_softmax import MAX_EXPERTS
 from logitserve.v1 import logitserve_pb2 as pb
 
+from .device import Wait
 from .errors import TooLarge
 from .staging import Staging, to_host
 from .tensors import FLOATS, INTS, PB_DTYPES, HostTensor, decode, field, from_array, from_torch, from_values, rows_values
@@ -221,7 +222,7 @@ class SampleCall:
         return self.seed if isinstance(self.seed, list) else [self.seed] * self.rows
 
     @staticmethod
-    async def run_batch(calls: list["SampleCall"], handle, alone: bool = False) -> list["SampleResult"]:
+    async def run_batch(calls: list["SampleCall"], handle, wait: Wait = Wait.THREAD) -> list["SampleResult"]:
         rows = [c.rows for c in calls]
         floats = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + ("random_val",)
         filter_order = calls[0].filter_order
@@ -246,7 +247,7 @@ class SampleCall:
             params = dict(zip(floats + INT_PARAMS, (*float_rows[:, :b].unbind(), *int_rows[:, :b].unbind())))
             return (kernels.sample(logits, **params, filter_order=filter_order, backend=handle.backend),)
 
-        tokens, = await handle.launch(calls[0].key, sum(rows), stage_for, launch, poll=alone)
+        tokens, = await handle.launch(calls[0].key, sum(rows), stage_for, launch, wait=wait)
         return [SampleResult(t.tolist(), c.seeds()) for t, c in zip(_split_rows(tokens, rows), calls)]
 
 
@@ -302,7 +303,8 @@ class RouteExpertsCall:
         return (self.op, self.gate_logits.dtype, self.gate_logits.shape[1], self.k, self.renormalize)
 
     @staticmethod
-    async def run_batch(calls: list["RouteExpertsCall"], handle, alone: bool = False) -> list["RouteExpertsResult"]:
+    async def run_batch(calls: list["RouteExpertsCall"], handle,
+                        wait: Wait = Wait.THREAD) -> list["RouteExpertsResult"]:
         rows = [c.rows for c in calls]
         k, renormalize = calls[0].k, calls[0].renormalize
 
@@ -314,7 +316,7 @@ class RouteExpertsCall:
         def launch(gate_logits):
             return kernels.topk_softmax(gate_logits, k, renormalize=renormalize, backend=handle.backend)
 
-        weights, indices = await handle.launch(calls[0].key, sum(rows), stage_for, launch, poll=alone)
+        weights, indices = await handle.launch(calls[0].key, sum(rows), stage_for, launch, wait=wait)
         return [RouteExpertsResult(w, i) for w, i in zip(_split_rows(weights, rows), _split_rows(indices, rows))]
 
 
@@ -337,7 +339,7 @@ class _LaunchedOnThread:
     (``launch_on_thread(calls, handle)``, one result per call)."""
 
     @classmethod
-    async def run_batch(cls, calls: list, handle, alone: bool = False) -> list["TensorResult"]:
+    async def run_batch(cls, calls: list, handle, wait: Wait = Wait.THREAD) -> list["TensorResult"]:
         return await handle.run(cls.launch_on_thread, calls, handle)
 
 

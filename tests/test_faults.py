@@ -199,9 +199,12 @@ def test_device_fault_during_a_batch_fails_its_calls_with_internal_then_service_
 
 
 def test_the_batcher_sees_how_many_calls_the_server_holds(gated):
-    """Guard.in_flight, which decides whether a batch launches for latency (server/device.py)."""
+    """Guard.occupancy, which decides how a batch launches (server/batcher.py, server/device.py)."""
     server, gate, stub = gated
-    calls_in_server = server.service.batcher.calls_in_server
+    occupancy = server.service.batcher.occupancy
+
+    def calls_in_server():
+        return occupancy.calls
     with _held_launch(server, gate, stub):
         futures = _queue(server, stub, [_x(i) for i in range(3)])
         assert calls_in_server() == 4  # the held call and the three queued

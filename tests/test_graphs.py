@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from logitserve import kernels
-from logitserve.server.device import DeviceHandle
+from logitserve.server.device import DeviceHandle, Wait
 from logitserve.server.graphs import LaunchGraphs
 from logitserve.server.ops import RouteExpertsCall, SampleCall
 from logitserve.server.staging import Staging
@@ -55,18 +55,18 @@ def _direct(call: SampleCall) -> np.ndarray:
 SAMPLE_BATCHES = [[20, 20], [17, 16], [1], [3], [2, 3], [1] * 9, [1, 1], [40]]
 
 
-@pytest.mark.parametrize("polled", [False, True], ids=["thread", "polled"])
+@pytest.mark.parametrize("wait", list(Wait), ids=[w.value for w in Wait])
 @pytest.mark.parametrize("dtype,vocab,options", [
     (torch.bfloat16, 128256, {}),
     (torch.float32, 32000, {"filter_order": "joint"}),
     (torch.float16, 1000, {"random_val": 0.3}),
 ])
-def test_sample_batches_replayed_equal_eager_and_direct(handles, dtype, vocab, options, polled):
+def test_sample_batches_replayed_equal_eager_and_direct(handles, dtype, vocab, options, wait):
     graphed, eager = handles
     replays = graphed.graphs.replays
     for i, sizes in enumerate(SAMPLE_BATCHES):
         calls = _sample_calls(sizes, vocab, dtype, seed=i, **options)
-        from_graph = asyncio.run(SampleCall.run_batch(calls, graphed, alone=polled))
+        from_graph = asyncio.run(SampleCall.run_batch(calls, graphed, wait=wait))
         from_eager = asyncio.run(SampleCall.run_batch(calls, eager))
         for call, g, e in zip(calls, from_graph, from_eager):
             assert g.token_ids == e.token_ids
@@ -78,10 +78,10 @@ def test_sample_batches_replayed_equal_eager_and_direct(handles, dtype, vocab, o
 def test_route_experts_replayed_equal_direct(handles):
     graphed, _ = handles
     g = torch.Generator().manual_seed(7)
-    for sizes, polled in (([64, 64, 7], False), ([5], True), ([64], True), ([3], False)):
+    for sizes, wait in (([64, 64, 7], Wait.THREAD), ([5], Wait.POLL), ([64], Wait.SPIN), ([3], Wait.THREAD)):
         calls = [RouteExpertsCall(HostTensor.of(torch.randn(rows, 256, generator=g).to(torch.bfloat16)), 8, True)
                  for rows in sizes]
-        results = asyncio.run(RouteExpertsCall.run_batch(calls, graphed, alone=polled))
+        results = asyncio.run(RouteExpertsCall.run_batch(calls, graphed, wait=wait))
         for call, r in zip(calls, results):
             w, i = kernels.topk_softmax(call.gate_logits.torch().to(DEVICE), 8, renormalize=True, backend="triton")
             np.testing.assert_array_equal(r.weights, w.cpu().numpy())
@@ -145,10 +145,26 @@ def test_a_replay_polled_on_the_event_loop_leaves_it_free(handles):
 
         ticker = asyncio.ensure_future(tick())
         await asyncio.sleep(0)
-        results = await SampleCall.run_batch(calls, graphed, alone=True)
+        results = await SampleCall.run_batch(calls, graphed, wait=Wait.POLL)
         ticker.cancel()
         return results, ticks
 
     results, ticks = asyncio.run(main())
     np.testing.assert_array_equal(results[0].token_ids, _direct(calls[0]))
     assert ticks >= 3
+
+
+def test_a_spun_replay_answers_without_yielding_to_the_event_loop(handles):
+    """A call that finds the server idle is answered in one step of its handler (Wait.SPIN)."""
+    graphed, _ = handles
+    calls = _sample_calls([1], 128256, torch.bfloat16, seed=5)
+    asyncio.run(SampleCall.run_batch(calls, graphed))  # captured
+
+    async def main():
+        launched = SampleCall.run_batch(calls, graphed, wait=Wait.SPIN)
+        with pytest.raises(StopIteration) as answered:
+            launched.send(None)
+        return answered.value.value
+
+    results = asyncio.run(main())
+    np.testing.assert_array_equal(results[0].token_ids, _direct(calls[0]))

@@ -8,8 +8,10 @@ import time
 
 import pytest
 
-from logitserve.server.batcher import Batcher
+from logitserve.server.batcher import AT_ONCE_AFTER_IDLE_S, Batcher
+from logitserve.server.device import Wait
 from logitserve.server.errors import DeadlineExpired, Draining, QueueFull
+from logitserve.server.guard import Occupancy
 
 
 class FakeCall:
@@ -19,11 +21,11 @@ class FakeCall:
         self.value, self.key, self.rows, self.fail = value, key, rows, fail
 
     @staticmethod
-    async def run_batch(calls, handle, alone=False):
+    async def run_batch(calls, handle, wait=Wait.THREAD):
         if handle.gate is not None:
             await handle.gate.wait()
         handle.batches.append([c.value for c in calls])
-        handle.alone.append(alone)
+        handle.waits.append(wait)
         if any(c.fail for c in calls):
             raise ValueError("bad call in this batch")
         return [c.value * 10 for c in calls]
@@ -34,7 +36,7 @@ class FakeHandle:
 
     def __init__(self):
         self.batches: list[list[int]] = []
-        self.alone: list[bool] = []  # run_batch's alone, per launch
+        self.waits: list[Wait] = []  # run_batch's wait, per launch
         self.gate: asyncio.Event | None = None
 
 
@@ -64,17 +66,82 @@ def test_compatible_calls_share_one_launch():
     assert b.launches == 1 and b.batched_requests == 5 and b.queue_depth == 0
 
 
-@pytest.mark.parametrize("in_server,alone", [(None, False), (1, True), (3, True), (4, False)])
-def test_a_batch_launches_alone_when_it_holds_every_call_in_the_server(in_server, alone):
+def occupancy(calls: int, idle_before: float = 0.0) -> Occupancy:
+    o = Occupancy()
+    o.calls, o.idle_before = calls, idle_before
+    return o
+
+
+@pytest.mark.parametrize("in_server,wait", [(None, Wait.THREAD), (1, Wait.POLL), (3, Wait.POLL), (4, Wait.THREAD)])
+def test_a_batch_holding_every_call_in_the_server_is_polled(in_server, wait):
     async def main():
         handle = FakeHandle()
-        b = make(handle, calls_in_server=None if in_server is None else (lambda: in_server))
+        b = make(handle, occupancy=None if in_server is None else occupancy(in_server))
         await asyncio.gather(*(b.submit(FakeCall(i)) for i in range(3)))
         await b.close()
         return handle
 
     handle = run(main())
-    assert handle.batches == [[0, 1, 2]] and handle.alone == [alone]
+    assert handle.batches == [[0, 1, 2]] and handle.waits == [wait]
+
+
+def test_a_call_that_finds_the_server_idle_launches_at_once_without_yielding():
+    async def main():
+        handle = FakeHandle()
+        b = make(handle, occupancy=occupancy(1, idle_before=AT_ONCE_AFTER_IDLE_S), max_delay_s=0)
+        submitted = b.submit(FakeCall(7))
+        with pytest.raises(StopIteration) as answered:  # ran to its answer on the first step
+            submitted.send(None)
+        await b.close()
+        return handle, b, answered.value.value
+
+    handle, b, result = run(main())
+    assert result == 70
+    assert handle.batches == [[7]] and handle.waits == [Wait.SPIN]
+    assert b.launches == 1 and b.batched_requests == 1 and b.queue_depth == 0
+
+
+@pytest.mark.parametrize("calls,idle_before,launching,max_delay_s", [
+    (1, AT_ONCE_AFTER_IDLE_S / 2, 0, 0),  # the server was not empty for long: load may be on the way
+    (2, 1.0, 0, 0),  # another call is in the server
+    (1, 1.0, 1, 0),  # a launch is under way (of calls whose RPC is this one: a Step's other ops)
+    (1, 1.0, 0, 0.001),  # --max-delay-us asks calls to wait for company
+])
+def test_other_calls_go_through_the_queue(calls, idle_before, launching, max_delay_s):
+    async def main():
+        handle = FakeHandle()
+        handle.gate = asyncio.Event()
+        b = make(handle, occupancy=occupancy(calls, idle_before), max_delay_s=max_delay_s)
+        held = [asyncio.ensure_future(b.submit(FakeCall(i, key="held"))) for i in range(launching)]
+        await asyncio.sleep(0.01)
+        call = asyncio.ensure_future(b.submit(FakeCall(9)))
+        await asyncio.sleep(0.01)
+        # Behind a launch made at once, the call waits in the queue, where later calls can join it.
+        assert not call.done() and b.queue_depth == launching
+        handle.gate.set()
+        result = await call
+        await asyncio.gather(*held)
+        await b.close()
+        return handle, result
+
+    handle, result = run(main())
+    assert result == 90 and handle.waits[handle.batches.index([9])] is not Wait.SPIN
+
+
+def test_a_call_launched_at_once_that_fails_raises_and_is_reported():
+    seen = []
+
+    async def on_failure(exc):
+        seen.append(exc)
+
+    async def main():
+        b = make(FakeHandle(), occupancy=occupancy(1, idle_before=1.0), on_failure=on_failure, max_delay_s=0)
+        with pytest.raises(ValueError, match="bad call"):
+            await b.submit(FakeCall(1, fail=True))
+        await b.close()
+
+    run(main())
+    assert len(seen) == 1 and isinstance(seen[0], ValueError)
 
 
 def test_incompatible_calls_launch_apart():
