@@ -12,6 +12,8 @@ puts them under the same drift.
 
 - ``echo``: ``bench.echo_server``, the transport floor;
 - ``const``: the Sample handler answers a fixed reply at once (gRPC, the guard, nothing else);
+  with ``busyN`` it first keeps the CPU busy for N us, with ``trip`` it first copies 256 KB to
+  the GPU and 8 bytes back (does using the device slow what gRPC does around the handler?);
 - ``noop``: the whole path (decode, batcher, reply) but the launch returns zeros at once,
   without touching the device;
 - ``full``: the server as it is; ``eager``: with ``--cuda-graphs off``;
@@ -30,6 +32,7 @@ import contextlib
 import math
 import statistics
 import sys
+import time
 
 from bench.service import ServerSpec, drive, payloads, running
 from logitserve.client import Client
@@ -48,8 +51,15 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
         ops.SampleCall.run_batch = staticmethod(run_batch)
     if "const" in variants:
         reply = ops.SampleResult([0], [1]).to_pb()
+        busy_s = next((int(v[4:]) * 1e-6 for v in variants if v.startswith("busy")), 0.0)
+        device_trip = _device_round_trip() if "trip" in variants else None
 
         async def answer(self, request, context):
+            until = time.perf_counter() + busy_s
+            while time.perf_counter() < until:
+                pass
+            if device_trip is not None:
+                device_trip()
             return reply
         servicer.LogitServeServicer.Sample = answer
     if "thread" in variants or "poll" in variants:
@@ -68,6 +78,25 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
     if "eager" in variants:
         argv = [*argv, "--cuda-graphs", "off"]
     return main(argv)
+
+
+def _device_round_trip():
+    """A function that copies a request's worth of bytes (256 KB, page-locked) to the GPU and 8
+    bytes back, spinning until the stream is done: a call's device traffic, without kernels."""
+    import torch
+
+    host = torch.zeros(256 << 10, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty_like(host, device="cuda")
+    back = torch.empty(8, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.Stream()
+    torch.cuda.set_stream(stream)
+
+    def trip():
+        device.copy_(host, non_blocking=True)
+        back.copy_(device[:8], non_blocking=True)
+        while not stream.query():
+            pass
+    return trip
 
 
 def spec(variant: str, device: str) -> ServerSpec:

@@ -27,6 +27,7 @@ import contextvars
 import inspect
 import itertools
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -71,17 +72,22 @@ class CallRecord:
 
 
 class Occupancy:
-    """The calls the server is handling (health checks aside, their Watch streams are long), and
-    how long it had been empty when the latest call that found it empty arrived."""
+    """The calls the server is handling (health checks aside, their Watch streams are long), how
+    long it had been empty when the latest call that found it empty arrived, and when it last held
+    more than one call."""
 
     def __init__(self) -> None:
         self.calls = 0
         self.idle_before = 0.0  # seconds
+        self.crowded_at = -math.inf  # time.monotonic()
         self._empty_since = time.monotonic()
 
     def enter(self) -> None:
+        now = time.monotonic()
         if self.calls == 0:
-            self.idle_before = time.monotonic() - self._empty_since
+            self.idle_before = now - self._empty_since
+        else:
+            self.crowded_at = now
         self.calls += 1
 
     def leave(self) -> None:

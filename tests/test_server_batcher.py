@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from logitserve.server.batcher import AT_ONCE_AFTER_IDLE_S, Batcher
+from logitserve.server.batcher import AT_ONCE_AFTER_CROWD_S, AT_ONCE_AFTER_IDLE_S, Batcher
 from logitserve.server.device import Wait
 from logitserve.server.errors import DeadlineExpired, Draining, QueueFull
 from logitserve.server.guard import Occupancy
@@ -66,9 +66,26 @@ def test_compatible_calls_share_one_launch():
     assert b.launches == 1 and b.batched_requests == 5 and b.queue_depth == 0
 
 
-def occupancy(calls: int, idle_before: float = 0.0) -> Occupancy:
+def test_occupancy_counts_calls_and_times_idleness_and_crowding():
     o = Occupancy()
-    o.calls, o.idle_before = calls, idle_before
+    o.enter()
+    assert o.calls == 1 and o.crowded_at == -float("inf")
+    o.leave()
+    time.sleep(0.02)
+    before = time.monotonic()
+    o.enter()
+    assert o.idle_before >= 0.02 and o.crowded_at == -float("inf")
+    o.enter()  # a second call while the first is in
+    assert o.calls == 2 and o.crowded_at >= before
+    o.leave()
+    o.leave()
+    o.enter()
+    assert o.calls == 1 and o.idle_before < 0.02
+
+
+def occupancy(calls: int, idle_before: float = 0.0, crowded_ago: float = 1.0) -> Occupancy:
+    o = Occupancy()
+    o.calls, o.idle_before, o.crowded_at = calls, idle_before, time.monotonic() - crowded_ago
     return o
 
 
@@ -101,17 +118,18 @@ def test_a_call_that_finds_the_server_idle_launches_at_once_without_yielding():
     assert b.launches == 1 and b.batched_requests == 1 and b.queue_depth == 0
 
 
-@pytest.mark.parametrize("calls,idle_before,launching,max_delay_s", [
-    (1, AT_ONCE_AFTER_IDLE_S / 2, 0, 0),  # the server was not empty for long: load may be on the way
-    (2, 1.0, 0, 0),  # another call is in the server
-    (1, 1.0, 1, 0),  # a launch is under way (of calls whose RPC is this one: a Step's other ops)
-    (1, 1.0, 0, 0.001),  # --max-delay-us asks calls to wait for company
+@pytest.mark.parametrize("calls,idle_before,crowded_ago,launching,max_delay_s", [
+    (1, AT_ONCE_AFTER_IDLE_S / 2, 1.0, 0, 0),  # the server was not empty for long: load may be on the way
+    (1, 1.0, AT_ONCE_AFTER_CROWD_S / 2, 0, 0),  # calls overlapped not long ago: load comes and goes
+    (2, 1.0, 1.0, 0, 0),  # another call is in the server
+    (1, 1.0, 1.0, 1, 0),  # a launch is under way (of calls whose RPC is this one: a Step's other ops)
+    (1, 1.0, 1.0, 0, 0.001),  # --max-delay-us asks calls to wait for company
 ])
-def test_other_calls_go_through_the_queue(calls, idle_before, launching, max_delay_s):
+def test_other_calls_go_through_the_queue(calls, idle_before, crowded_ago, launching, max_delay_s):
     async def main():
         handle = FakeHandle()
         handle.gate = asyncio.Event()
-        b = make(handle, occupancy=occupancy(calls, idle_before), max_delay_s=max_delay_s)
+        b = make(handle, occupancy=occupancy(calls, idle_before, crowded_ago), max_delay_s=max_delay_s)
         held = [asyncio.ensure_future(b.submit(FakeCall(i, key="held"))) for i in range(launching)]
         await asyncio.sleep(0.01)
         call = asyncio.ensure_future(b.submit(FakeCall(9)))
