@@ -128,15 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--variants", default="echo,const,noop,full")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", default=",".join(str(c) for c, _ in CASES),
+                        help="which of the cases (concurrency 1, 8, 64) to run")
     parser.add_argument("--max-seconds", type=float, default=4.0, help="time bound per case and round")
     args = parser.parse_args(argv)
     payload = next(p for p in payloads() if p.name == "Sample 1x128256 bf16")
     variants = args.variants.split(",")
+    cases = [(c, calls) for c, calls in CASES if str(c) in args.concurrency.split(",")]
     runs: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     with contextlib.ExitStack() as stack:
         servers = {v: stack.enter_context(running(spec(v, args.device), 900)) for v in variants}
         for _ in range(args.rounds):
-            for concurrency, calls in CASES:
+            for concurrency, calls in cases:
                 for v in variants:
                     launches, requests = launch_counts(v, servers[v].target)
                     lat, errors, wall, _, _ = asyncio.run(drive(servers[v].target, payload, concurrency, calls, 30,
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                     lat.sort()
                     runs.setdefault((v, concurrency), []).append(
                         (lat[len(lat) // 2], len(lat) / wall, requests / launches if launches else 0.0))
-    for concurrency, _ in CASES:
+    for concurrency, _ in cases:
         for v in variants:
             p50s, rates, per_launch = zip(*runs[(v, concurrency)])
             print(f"{v:16s} c={concurrency:3d} p50 {statistics.median(p50s):6.0f} us ({_each(p50s)})"

@@ -260,7 +260,11 @@ class Guard:
     def _finish(self, record: CallRecord, t0: float) -> None:
         if record.counted:
             self.occupancy.leave()
-        seconds = time.perf_counter() - t0
+        # Metrics and the log line wait for the loop's next turn: the answer is on its way by then
+        # (gRPC sends it as the handler returns), and the caller does not wait for them.
+        asyncio.get_running_loop().call_soon(self._report, record, time.perf_counter() - t0)
+
+    def _report(self, record: CallRecord, seconds: float) -> None:
         if self._metrics is not None:
             self._metrics.observe_rpc(record.rpc, record.code.name, seconds)
         level = logging.DEBUG if record.code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else logging.WARNING
