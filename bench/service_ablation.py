@@ -12,7 +12,7 @@ puts them under the same drift.
 
 - ``echo``: ``bench.echo_server``, the transport floor;
 - ``const``: the Sample handler answers a fixed reply at once (gRPC, the guard, nothing else);
-  with ``busyN`` it first keeps the CPU busy for N us, with ``trip`` it first copies 256 KB to
+  with ``workN`` it first keeps the CPU busy for N us, with ``trip`` it first copies 256 KB to
   the GPU and 8 bytes back (does using the device slow what gRPC does around the handler?);
 - ``noop``: the whole path (decode, batcher, reply) but the launch returns zeros at once,
   without touching the device;
@@ -21,7 +21,8 @@ puts them under the same drift.
   event loop (the server polls only a batch that holds every call in the server);
 - ``queued``: every call goes through the batcher's queue (the server launches a call that
   finds it idle at once, in its handler); ``idleN``: at once after N us idle (the server: 300);
-- ``swN``: a GIL switch interval of N us in the server.
+- ``swN``: a GIL switch interval of N us in the server;
+- ``spinN``: the server's event loop polls for N us before it sleeps (a warm core between calls).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import selectors
 import statistics
 import sys
 import time
@@ -51,7 +53,7 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
         ops.SampleCall.run_batch = staticmethod(run_batch)
     if "const" in variants:
         reply = ops.SampleResult([0], [1]).to_pb()
-        busy_s = next((int(v[4:]) * 1e-6 for v in variants if v.startswith("busy")), 0.0)
+        busy_s = next((int(v[4:]) * 1e-6 for v in variants if v.startswith("work")), 0.0)
         device_trip = _device_round_trip() if "trip" in variants else None
 
         async def answer(self, request, context):
@@ -75,9 +77,38 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
             batcher.AT_ONCE_AFTER_IDLE_S = int(v[4:]) * 1e-6
     if "queued" in variants:
         batcher.AT_ONCE_AFTER_IDLE_S = math.inf
+    spin_s = next((int(v[4:]) * 1e-6 for v in variants if v.startswith("spin")), 0.0)
+    if spin_s:
+        asyncio.set_event_loop_policy(_SpinningPolicy(spin_s))
     if "eager" in variants:
         argv = [*argv, "--cuda-graphs", "off"]
     return main(argv)
+
+
+class _SpinningPolicy(asyncio.DefaultEventLoopPolicy):
+    """Event loops whose selector polls without blocking for ``spin_s`` before it sleeps: the
+    server's thread stays on its core, warm, between calls."""
+
+    def __init__(self, spin_s: float):
+        super().__init__()
+        self.spin_s = spin_s
+
+    def new_event_loop(self):
+        spin_s = self.spin_s
+
+        class SpinningSelector(selectors.DefaultSelector):
+            def select(self, timeout=None):
+                if timeout is not None and timeout <= 0:
+                    return super().select(0)
+                start = time.monotonic()
+                until = start + (spin_s if timeout is None else min(spin_s, timeout))
+                while time.monotonic() < until:
+                    ready = super().select(0)
+                    if ready:
+                        return ready
+                left = None if timeout is None else max(timeout - (time.monotonic() - start), 0)
+                return super().select(left)
+        return asyncio.SelectorEventLoop(SpinningSelector())
 
 
 def _device_round_trip():
