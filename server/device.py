@@ -6,9 +6,11 @@ loop goes on receiving calls; they join the next launch, so batches grow with lo
 launches go to the handle's own stream.
 
 A Sample or RouteExperts batch replays a CUDA graph (server/graphs.py) when its graph is
-captured: one byte copy and one replay call, which return at once. The batcher asks for it to
-be polled on the event loop (``launch(..., poll=True)``) when the batch holds every call in the
-server: then there is nothing to wait for, and the two thread hand-overs are saved. Measured on
+captured: one byte copy and one replay call, which return at once. How the replay is waited for
+is the caller's choice (:class:`Wait`): the batcher has it polled on the event loop
+(``Wait.POLL``) when the batch holds every call in the server: then there is nothing to wait
+for, and the two thread hand-overs are saved; a call that finds the server idle and launches
+at once (server/batcher.py) spins for it (``Wait.SPIN``). Measured on
 the H100 host, Sample 1x128256 bf16, medians of 4 rounds (``python -m bench.service_ablation
 --variants echo,full,full+thread,full+poll --rounds 4``, 2026-11-22):
 
