@@ -101,6 +101,8 @@ class Batcher:
         if self._closed:
             raise Draining("server is shutting down")
         if self._has_server_to_itself():
+            if timeout is not None and timeout <= 0:
+                raise DeadlineExpired("deadline passed before launch")
             return await self._launch_at_once(call)
         if self._queued >= self.max_queue:
             raise QueueFull(f"queue full: {self._queued} requests waiting (--max-queue {self.max_queue})")

@@ -146,6 +146,19 @@ def test_other_calls_go_through_the_queue(calls, idle_before, crowded_ago, launc
     assert result == 90 and handle.waits[handle.batches.index([9])] is not Wait.SPIN
 
 
+def test_a_call_that_would_launch_at_once_past_its_deadline_fails_unlaunched():
+    async def main():
+        handle = FakeHandle()
+        b = make(handle, occupancy=occupancy(1, idle_before=1.0), max_delay_s=0)
+        with pytest.raises(DeadlineExpired):
+            await b.submit(FakeCall(1), timeout=0.0)
+        await b.close()
+        return handle, b
+
+    handle, b = run(main())
+    assert handle.batches == [] and b.launches == 0
+
+
 def test_a_call_launched_at_once_that_fails_raises_and_is_reported():
     seen = []
 
