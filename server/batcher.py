@@ -23,6 +23,7 @@ the launch, it can raise (a device fault: those calls fail with INTERNAL) or sle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -72,8 +73,6 @@ class Batcher:
         self.handle = handle
         self.on_failure = on_failure  # awaited with what a launch of one call raised
         self.occupancy = occupancy  # the RPCs the server is handling (Guard.occupancy), if known
-        self.at_once_after_idle_s = AT_ONCE_AFTER_IDLE_S
-        self.at_once_after_crowd_s = AT_ONCE_AFTER_CROWD_S
         self.max_batch_rows = max_batch_rows
         self.max_delay_s = max_delay_s
         self.max_queue = max_queue
@@ -82,7 +81,7 @@ class Batcher:
         self.batched_requests = 0  # calls those launches served
         self._groups: dict[object, _Group] = {}
         self._queued = 0
-        self._launching = False  # a launch is under way (the worker's, or one at once)
+        self._launching = False  # a launch is under way: see _device_taken
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._closed = False
@@ -123,33 +122,41 @@ class Batcher:
 
     def _has_server_to_itself(self) -> bool:
         """Whether the call being submitted is the only one in the server, which had been empty
-        for at least ``at_once_after_idle_s`` when it came and has held no two calls for
-        ``at_once_after_crowd_s``, and no launch is queued or under way: then no one is there to
+        for at least AT_ONCE_AFTER_IDLE_S when it came and has held no two calls for
+        AT_ONCE_AFTER_CROWD_S, and no launch is queued or under way: then no one is there to
         share its launch, and none is on the way. Never when ``max_delay_s`` asks calls to wait
         for company."""
         o = self.occupancy
-        return (o is not None and o.calls == 1 and o.idle_before >= self.at_once_after_idle_s
-                and time.monotonic() - o.crowded_at >= self.at_once_after_crowd_s
+        return (o is not None and o.calls == 1 and o.idle_before >= AT_ONCE_AFTER_IDLE_S
+                and time.monotonic() - o.crowded_at >= AT_ONCE_AFTER_CROWD_S
                 and self._queued == 0 and not self._launching and self.max_delay_s == 0)
 
     async def _launch_at_once(self, call):
         """Launch ``call`` alone in the caller's task, its replay waited for by spinning: with the
         graph captured, the handler runs to its answer without yielding to the event loop."""
         self._count_launch([call], queue_seconds=[0.0])
+        with self._device_taken():
+            try:
+                if self.before_launch is not None:
+                    await self.handle.run(self.before_launch, [call])
+                result, = await type(call).run_batch([call], self.handle, wait=Wait.SPIN)
+            except Exception as exc:
+                if self.on_failure is not None:
+                    await self.on_failure(exc)
+                raise
+        return result
+
+    @contextlib.contextmanager
+    def _device_taken(self):
+        """Marks a launch under way (the worker's, or one at once); when it ends, calls that came
+        meanwhile are the worker's to launch."""
         self._launching = True
         try:
-            if self.before_launch is not None:
-                await self.handle.run(self.before_launch, [call])
-            result, = await type(call).run_batch([call], self.handle, wait=Wait.SPIN)
-        except Exception as exc:
-            if self.on_failure is not None:
-                await self.on_failure(exc)
-            raise
+            yield
         finally:
             self._launching = False
             if self._groups:
-                self._wakeup.set()  # calls came meanwhile: the worker's turn
-        return result
+                self._wakeup.set()
 
     def _count_launch(self, calls: list, queue_seconds: list[float]) -> None:
         if self.metrics is not None:
@@ -216,11 +223,8 @@ class Batcher:
                     pass
                 continue
             if batch:
-                self._launching = True
-                try:
+                with self._device_taken():
                     await self._launch(batch, loop)
-                finally:
-                    self._launching = False
 
     async def _launch(self, batch: list[_Pending], loop) -> None:
         calls = [p.call for p in batch]
