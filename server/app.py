@@ -108,7 +108,7 @@ class Service:
             self.metrics.serve(self.config.metrics_port, self.config.host)
         log_event(log, "listening", port=self.port, tls=self.tls, mutual_tls=self.config.tls_client_ca is not None,
                   auth=self.tokens is not None, metrics_port=self.config.metrics_port or None,
-                  **self.handle.properties)
+                  busy_poll_us=self.config.resolved_busy_poll_us, **self.handle.properties)
 
     async def warm_up(self) -> None:
         """Compile the kernels for the configured dtypes, then report SERVING."""

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 
+from .busy_poll import event_loop_factory
 from .config import FLOAT_DTYPE_NAMES, LOG_LEVELS, ServerConfig, default_device
 from .logs import configure, get_logger, log_event
 
@@ -38,6 +39,15 @@ def _width_list(text: str) -> tuple[int, ...] | None:
         return tuple(int(s) for s in text.split(",") if s.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: must be 'auto' or comma-separated integers") from None
+
+
+def _auto_int(text: str) -> int | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 'auto' or an integer") from None
 
 
 def _switch(text: str) -> bool:
@@ -78,6 +88,8 @@ FLAGS = (
     ("--reuse-port", _switch, "on" if _D.reuse_port else "off",
      "let other processes bind the same port (set by --workers for its processes)"),
     ("--metrics-port", int, _D.metrics_port, "Prometheus /metrics port, worker i on this port + i (0: off)"),
+    ("--busy-poll-us", _auto_int, "auto", "how long the event loop polls for the next call before it sleeps "
+     "(us; auto: 2000 on CUDA, 0 on the CPU; 0: off)"),
     ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
     ("--log-level", str, _D.log_level, f"one of {', '.join(LOG_LEVELS)}"),
 )
@@ -177,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_workers(config)
     try:
-        return asyncio.run(serve(config))
+        with asyncio.Runner(loop_factory=event_loop_factory(config.resolved_busy_poll_us)) as runner:
+            return runner.run(serve(config))
     except (OSError, RuntimeError, ValueError) as exc:  # a taken port, a missing TLS file, no such GPU
         log_event(log, "failed to start", error=str(exc))
         return 2

@@ -51,12 +51,12 @@ def test_flags():
                "--max-batch-rows", "8", "--max-delay-us", "0", "--max-queue", "5", "--max-message-bytes", "1024",
                "--max-vocab", "100", "--max-rows", "3", "--warmup-dtypes", "float32,bfloat16", "--warmup-widths", "64,100",
                "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem", "--auth-token-file", "t",
-               "--metrics-port", "9100", "--grace-period-s", "2.5", "--log-level", "debug"])
+               "--metrics-port", "9100", "--busy-poll-us", "500", "--grace-period-s", "2.5", "--log-level", "debug"])
     assert c == ServerConfig(host="127.0.0.1", port=6000, device="cpu", backend="interpret", max_batch_rows=8,
                              max_delay_us=0, max_queue=5, max_message_bytes=1024, max_vocab=100, max_rows=3,
                              warmup_dtypes=("float32", "bfloat16"), warmup_widths=(64, 100), tls_cert="c.pem", tls_key="k.pem",
-                             tls_client_ca="ca.pem", auth_token_file="t", metrics_port=9100, grace_period_s=2.5,
-                             log_level="debug")
+                             tls_client_ca="ca.pem", auth_token_file="t", metrics_port=9100, busy_poll_us=500,
+                             grace_period_s=2.5, log_level="debug")
 
 
 def test_environment_variables_and_flags_over_them():
@@ -78,6 +78,8 @@ def test_environment_variables_and_flags_over_them():
     (["--port", "70000"], {}),
     (["--max-queue", "0"], {}),
     (["--warmup-widths", "wide"], {}),
+    (["--busy-poll-us", "-1"], {}),
+    ([], {"LOGITSERVE_BUSY_POLL_US": "soon"}),
     (["--warmup-widths", "0"], {}),
     (["--warmup-widths", "300000"], {}),  # over --max-vocab
 ])
@@ -144,11 +146,11 @@ def test_serve_process_metrics_sighup_and_sigterm_drain(tmp_path):
     metrics_port = _free_port()
     server = Process("--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--warmup-dtypes", "float32",
                      "--max-delay-us", "2000000", "--grace-period-s", "20", "--auth-token-file", str(tokens),
-                     "--metrics-port", str(metrics_port), "--log-level", "debug")
+                     "--metrics-port", str(metrics_port), "--log-level", "debug", "--busy-poll-us", "1000")
     try:
         listening = server.wait_for("listening")
         target = f"127.0.0.1:{listening['port']}"
-        assert listening["backend"] == "torch" and listening["auth"] is True
+        assert listening["backend"] == "torch" and listening["auth"] is True and listening["busy_poll_us"] == 1000
         server.wait_for("serving")
         x = np.ones((1, 4), np.float32)
         with Client(target, token="first", timeout=30) as c:

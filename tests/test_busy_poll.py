@@ -1,0 +1,58 @@
+"""The busy-polling event loop (--busy-poll-us): it answers events inside and after its window,
+honours timeouts, and is what the configuration picks per device."""
+
+import asyncio
+import socket
+import threading
+import time
+
+from logitserve.server.busy_poll import BusyPollSelector, event_loop_factory
+from logitserve.server.config import DEFAULT_BUSY_POLL_US, ServerConfig
+
+
+def test_auto_window_polls_on_cuda_only():
+    assert ServerConfig(device="cuda:0").resolved_busy_poll_us == DEFAULT_BUSY_POLL_US
+    assert ServerConfig(device="cpu").resolved_busy_poll_us == 0
+    assert ServerConfig(device="cpu", busy_poll_us=300).resolved_busy_poll_us == 300
+    assert ServerConfig(device="cuda:0", busy_poll_us=0).resolved_busy_poll_us == 0
+
+
+def _ready_after(delay_s: float, window_s: float, timeout: float | None):
+    """What ``select(timeout)`` returns, and how long it took, when a byte arrives after ``delay_s``."""
+    reader, writer = socket.socketpair()
+    with reader, writer, BusyPollSelector(window_s) as selector:
+        selector.register(reader, 1)
+        timer = threading.Timer(delay_s, writer.send, (b"x",))
+        timer.start()
+        start = time.monotonic()
+        ready = selector.select(timeout)
+        took = time.monotonic() - start
+        timer.join()
+        return [key.fileobj for key, _ in ready] == [reader], took
+
+
+def test_event_inside_the_window_is_seen_while_polling():
+    seen, took = _ready_after(0.01, window_s=1.0, timeout=None)
+    assert seen and took < 0.5
+
+
+def test_event_after_the_window_wakes_the_sleeping_selector():
+    seen, took = _ready_after(0.05, window_s=0.001, timeout=None)
+    assert seen and took >= 0.04
+
+
+def test_timeout_bounds_the_poll_and_the_sleep():
+    seen, took = _ready_after(0.5, window_s=1.0, timeout=0.02)
+    assert not seen and 0.015 < took < 0.4
+    seen, took = _ready_after(0.5, window_s=0.001, timeout=0.02)
+    assert not seen and 0.015 < took < 0.4
+
+
+def test_loops_made_by_the_factory_run_coroutines_and_timers():
+    async def main():
+        await asyncio.sleep(0.01)
+        return 7
+
+    for window_us in (0, 500):
+        with asyncio.Runner(loop_factory=event_loop_factory(window_us)) as runner:
+            assert runner.run(main()) == 7
