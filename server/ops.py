@@ -28,7 +28,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 from .device import Wait
 from .errors import TooLarge
 from .staging import Staging, to_host
-from .tensors import FLOATS, INTS, PB_DTYPES, HostTensor, decode, field, from_array, from_torch, from_values, rows_values
+from .tensors import FLOATS, INTS, PB_DTYPES, HostTensor, decode, field, from_array, from_torch, rows_values, set_values
 
 MAX_RANK = 8
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -105,12 +105,11 @@ def _float_param(msg, name: str, rows: int, default: float | None, ok, rule: str
     fails it. Values must keep the rule in float32 too, the precision
     the kernels read them in (a temperature of 1e300 is inf there, a top_p of 1e-300 is 0).
     """
-    in_f32 = f"{rule} in float32, the precision the kernels use"
-    if msg.HasField(f"{name}_rows"):
-        values = rows_values(getattr(msg, f"{name}_rows"), f"{path}{name}_rows", rows,
-                             dtypes=(torch.float32, torch.float64))
-        _check_values(f"{path}{name}_rows", values, ok, rule)
-        _check_values(f"{path}{name}_rows", values, ok, in_f32, _as_float32)
+    rows_field = name + "_rows"
+    if msg.HasField(rows_field):
+        values = rows_values(getattr(msg, rows_field), path + rows_field, rows, dtypes=(torch.float32, torch.float64))
+        _check_values(path + rows_field, values, ok, rule)
+        _check_values(path + rows_field, values, ok, _in_float32(rule), _as_float32)
         return values
     if not msg.HasField(name):
         return default
@@ -118,30 +117,37 @@ def _float_param(msg, name: str, rows: int, default: float | None, ok, rule: str
     if not ok(value):
         raise ValueError(f"{path}{name}: {rule}, got {value}")
     if not ok(_as_float32(value)):
-        raise ValueError(f"{path}{name}: {in_f32}, got {value}")
+        raise ValueError(f"{path}{name}: {_in_float32(rule)}, got {value}")
     return value
+
+
+def _in_float32(rule: str) -> str:
+    return f"{rule} in float32, the precision the kernels use"
+
+
+_FLOAT32 = struct.Struct("f")
 
 
 def _as_float32(value: float) -> float:
     """``value`` rounded to float32, as the kernels read it (beyond float32's range: infinity)."""
     try:
-        return struct.unpack("f", struct.pack("f", value))[0]
+        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
     except OverflowError:
         return math.copysign(math.inf, value)
 
 
 def _int_param(msg, name: str, rows: int, default: int | None, rule_min: int, path: str) -> Param | None:
     """An integer sampling parameter (>= ``rule_min``): the scalar field or ``<name>_rows``."""
-    rule = f"must be >= {rule_min}"
-    if msg.HasField(f"{name}_rows"):
-        values = rows_values(getattr(msg, f"{name}_rows"), f"{path}{name}_rows", rows, dtypes=INTS)
-        _check_values(f"{path}{name}_rows", values, lambda v: v >= rule_min, rule)
+    rows_field = name + "_rows"
+    if msg.HasField(rows_field):
+        values = rows_values(getattr(msg, rows_field), path + rows_field, rows, dtypes=INTS)
+        _check_values(path + rows_field, values, lambda v: v >= rule_min, f"must be >= {rule_min}")
         return values
     if not msg.HasField(name):
         return default
     value = getattr(msg, name)
     if value < rule_min:
-        raise ValueError(f"{path}{name}: {rule}, got {value}")
+        raise ValueError(f"{path}{name}: must be >= {rule_min}, got {value}")
     return value
 
 
@@ -162,8 +168,11 @@ def _per_row(calls: list["SampleCall"], names: tuple[str, ...], width: int) -> l
     for name in names:
         for c in calls:
             v = getattr(c, name)
-            values += v if isinstance(v, list) else [v] * c.rows
-        values += [0] * (width - len(values) % width) if len(values) % width else []
+            if type(v) is list:
+                values += v
+            else:
+                values += (v,) * c.rows
+        values += (0,) * (-len(values) % width)
     return values
 
 
@@ -262,9 +271,11 @@ class SampleResult:
 
     def to_pb(self) -> pb.SampleResponse:
         # Built from Python ints with struct: torch calls on the event loop cost far more.
-        ids = self.token_ids
-        return pb.SampleResponse(token_ids=from_values(ids, torch.int64), seeds=from_values(self.seeds, torch.int64),
-                                 valid=from_values([i >= 0 for i in ids], torch.bool))
+        response = pb.SampleResponse()
+        set_values(response.token_ids, self.token_ids, torch.int64)
+        set_values(response.seeds, self.seeds, torch.int64)
+        set_values(response.valid, [i >= 0 for i in self.token_ids], torch.bool)
+        return response
 
 
 # ---------------------------------------------------------------------------------------------

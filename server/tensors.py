@@ -139,7 +139,7 @@ def from_torch(t: torch.Tensor) -> pb.Tensor:
     return pb.Tensor(dtype=PB_DTYPES[t.dtype], shape=shape, data=data)
 
 
-# struct format codes of the dtypes Python numbers are packed as (pack, from_values).
+# struct format codes of the dtypes Python numbers are packed as (pack, set_values).
 _STRUCT_CODES = {torch.float32: "f", torch.float64: "d", torch.int32: "i", torch.int64: "q", torch.bool: "?"}
 
 
@@ -159,9 +159,13 @@ def from_array(a: np.ndarray) -> pb.Tensor:
     return pb.Tensor(dtype=_NUMPY_PB_DTYPES[a.dtype], shape=list(a.shape), data=np.ascontiguousarray(a).tobytes())
 
 
-def from_values(values: list, dtype: torch.dtype) -> pb.Tensor:
-    """A 1-D Tensor message of Python numbers (see :func:`pack`)."""
-    return pb.Tensor(dtype=PB_DTYPES[dtype], shape=[len(values)], data=pack(values, dtype))
+def set_values(t: pb.Tensor, values: list, dtype: torch.dtype) -> None:
+    """Make ``t``, a Tensor field of a message being built, the 1-D tensor of Python numbers
+    ``values`` (see :func:`pack`). Filling the field in place costs half of building a Tensor
+    message and copying it into its parent."""
+    t.dtype = PB_DTYPES[dtype]
+    t.shape.append(len(values))
+    t.data = pack(values, dtype)
 
 
 def rows_values(msg: pb.Tensor, name: str, rows: int, *, dtypes: tuple[torch.dtype, ...]) -> list:
