@@ -22,7 +22,12 @@ puts them under the same drift.
 - ``queued``: every call goes through the batcher's queue (the server launches a call that
   finds it idle at once, in its handler); ``idleN``: at once after N us idle (the server: 300);
 - ``swN``: a GIL switch interval of N us in the server;
-- ``spinN``: the server's event loop polls for N us before it sleeps (a warm core between calls).
+- ``busyN``: ``--busy-poll-us N`` (the event loop polls N us before it sleeps; on CUDA the
+  server's default is 2000).
+
+``--baseline DIR`` names a checkout of another commit (``git worktree add DIR REV``); a variant
+written ``base:X`` runs variant X of that checkout, so a change is measured against its parent
+in one run.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ import argparse
 import asyncio
 import contextlib
 import math
-import selectors
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 from bench.service import ServerSpec, drive, payloads, running
@@ -77,38 +83,11 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
             batcher.AT_ONCE_AFTER_IDLE_S = int(v[4:]) * 1e-6
     if "queued" in variants:
         batcher.AT_ONCE_AFTER_IDLE_S = math.inf
-    spin_s = next((int(v[4:]) * 1e-6 for v in variants if v.startswith("spin")), 0.0)
-    if spin_s:
-        asyncio.set_event_loop_policy(_SpinningPolicy(spin_s))
+        if v.startswith("busy"):
+            argv = [*argv, "--busy-poll-us", v[4:]]
     if "eager" in variants:
         argv = [*argv, "--cuda-graphs", "off"]
     return main(argv)
-
-
-class _SpinningPolicy(asyncio.DefaultEventLoopPolicy):
-    """Event loops whose selector polls without blocking for ``spin_s`` before it sleeps: the
-    server's thread stays on its core, warm, between calls."""
-
-    def __init__(self, spin_s: float):
-        super().__init__()
-        self.spin_s = spin_s
-
-    def new_event_loop(self):
-        spin_s = self.spin_s
-
-        class SpinningSelector(selectors.DefaultSelector):
-            def select(self, timeout=None):
-                if timeout is not None and timeout <= 0:
-                    return super().select(0)
-                start = time.monotonic()
-                until = start + (spin_s if timeout is None else min(spin_s, timeout))
-                while time.monotonic() < until:
-                    ready = super().select(0)
-                    if ready:
-                        return ready
-                left = None if timeout is None else max(timeout - (time.monotonic() - start), 0)
-                return super().select(left)
-        return asyncio.SelectorEventLoop(SpinningSelector())
 
 
 def _device_round_trip():
@@ -130,12 +109,33 @@ def _device_round_trip():
     return trip
 
 
-def spec(variant: str, device: str) -> ServerSpec:
+def spec(variant: str, device: str, baseline: str | None) -> ServerSpec:
     if variant == "echo":
         return ServerSpec("echo", [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1"], is_echo=True)
-    warm = "bfloat16" if "full" in variant.split("+") else "none"
-    return ServerSpec(variant, [sys.executable, "-m", "bench.service_ablation", "--serve", variant, "serve", "--host",
-                                "127.0.0.1", "--device", device, "--warmup-dtypes", warm])
+    run_in = []
+    name = variant
+    if variant.startswith("base:"):
+        if baseline is None:
+            raise SystemExit(f"{variant}: needs --baseline DIR")
+        name = variant.removeprefix("base:")
+        # From the baseline checkout, with its own package: `-m` looks in the working directory first.
+        run_in = ["env", "-C", baseline, f"PYTHONPATH={_package_site(baseline)}:{os.environ.get('PYTHONPATH', '')}"]
+    warm = "bfloat16" if "full" in name.split("+") else "none"
+    return ServerSpec(variant, [*run_in, sys.executable, "-m", "bench.service_ablation", "--serve", name, "serve",
+                                "--host", "127.0.0.1", "--device", device, "--warmup-dtypes", warm])
+
+
+def _package_site(checkout: str) -> str:
+    """A folder from which ``import logitserve`` finds ``checkout``'s package (pyproject.toml's
+    package-dir, as symlinks), made once per checkout."""
+    checkout = os.path.abspath(checkout)
+    site = os.path.join(tempfile.gettempdir(), "logitserve-baseline-" + checkout.strip("/").replace("/", "_"))
+    for name, path in (("kernels", "kernels"), ("server", "server"), ("client", "client"), ("v1", "protos/logitserve/v1")):
+        os.makedirs(os.path.join(site, "logitserve"), exist_ok=True)
+        link = os.path.join(site, "logitserve", name)
+        if not os.path.islink(link):
+            os.symlink(os.path.join(checkout, path), link)
+    return site
 
 
 def _each(values) -> str:
@@ -162,13 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default=",".join(str(c) for c, _ in CASES),
                         help="which of the cases (concurrency 1, 8, 64) to run")
     parser.add_argument("--max-seconds", type=float, default=4.0, help="time bound per case and round")
+    parser.add_argument("--baseline", help="a checkout of another commit: variants base:X run its variant X")
     args = parser.parse_args(argv)
     payload = next(p for p in payloads() if p.name == "Sample 1x128256 bf16")
     variants = args.variants.split(",")
     cases = [(c, calls) for c, calls in CASES if str(c) in args.concurrency.split(",")]
     runs: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     with contextlib.ExitStack() as stack:
-        servers = {v: stack.enter_context(running(spec(v, args.device), 900)) for v in variants}
+        servers = {v: stack.enter_context(running(spec(v, args.device, args.baseline), 900)) for v in variants}
         for _ in range(args.rounds):
             for concurrency, calls in cases:
                 for v in variants:
