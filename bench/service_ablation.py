@@ -4,11 +4,14 @@
 
 Each variant is ``logitserve serve`` with patches applied in its own process (``+`` joins them).
 All of them run at once and are driven in turn like ``bench.service`` (Sample 1x128256 bf16,
-one channel, concurrency 1, 8 and 64), case by case, for ``--rounds`` rounds; one line per
-variant and case gives the medians over the rounds of p50 latency, calls/s and requests per
-launch (the server's own counters), each followed by the rounds' values. The host is shared
-and drifts by tens of percent within minutes: taking the variants in turn, round after round,
-puts them under the same drift.
+one channel, concurrency 1, 8 and 64), case by case, for ``--rounds`` rounds, in a new random
+order each round; one line per variant and case gives the medians over the rounds of p50
+latency, calls/s and requests per launch (the server's own counters), each followed by the
+rounds' values. The host is shared and drifts by tens of percent within minutes: taking the
+variants in turn, round after round, puts them under the same drift, and the random order keeps
+any effect of going first or after another variant off the comparison. Then each variant is
+compared with the first (echo aside) round by round: the median of its differences, and in how
+many rounds it was faster.
 
 - ``echo``: ``bench.echo_server``, the transport floor;
 - ``const``: the Sample handler answers a fixed reply at once (gRPC, the guard, nothing else);
@@ -37,6 +40,7 @@ import asyncio
 import contextlib
 import math
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -162,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default=",".join(str(c) for c, _ in CASES),
                         help="which of the cases (concurrency 1, 8, 64) to run")
     parser.add_argument("--max-seconds", type=float, default=4.0, help="time bound per case and round")
+    parser.add_argument("--seed", type=int, default=0, help="of the variants' order in each round")
     parser.add_argument("--baseline", help="a checkout of another commit: variants base:X run its variant X")
     args = parser.parse_args(argv)
     payload = next(p for p in payloads() if p.name == "Sample 1x128256 bf16")
@@ -170,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     with contextlib.ExitStack() as stack:
         servers = {v: stack.enter_context(running(spec(v, args.device, args.baseline), 900)) for v in variants}
+        order = random.Random(args.seed)
         for _ in range(args.rounds):
             for concurrency, calls in cases:
-                for v in variants:
+                for v in order.sample(variants, len(variants)):
                     launches, requests = launch_counts(v, servers[v].target)
                     lat, errors, wall, _, _ = asyncio.run(drive(servers[v].target, payload, concurrency, calls, 30,
                                                                 args.max_seconds, False))
@@ -189,7 +195,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{v:16s} c={concurrency:3d} p50 {statistics.median(p50s):6.0f} us ({_each(p50s)})"
                   f"  {statistics.median(rates):5.0f} calls/s ({_each(rates)})"
                   f"  {statistics.median(per_launch):4.1f} requests/launch", flush=True)
+    compared = [v for v in variants if v != "echo"]
+    for concurrency, _ in cases:
+        for v in compared[1:]:
+            print(f"{v} against {compared[0]}, c={concurrency}: "
+                  + _paired(runs[(v, concurrency)], runs[(compared[0], concurrency)]), flush=True)
     return 0
+
+
+def _paired(runs: list[tuple[float, float, float]], reference: list[tuple[float, float, float]]) -> str:
+    """Round-by-round comparison of p50 latency and calls/s with the reference variant's."""
+    p50 = [r[0] - q[0] for r, q in zip(runs, reference)]
+    rate = [r[1] / q[1] for r, q in zip(runs, reference)]
+    return (f"p50 {statistics.median(p50):+.0f} us (median difference; lower in {sum(d < 0 for d in p50)} "
+            f"of {len(p50)} rounds), calls/s x{statistics.median(rate):.3f} (higher in {sum(x > 1 for x in rate)})")
 
 
 if __name__ == "__main__":

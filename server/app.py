@@ -23,6 +23,7 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 from . import ops
 from .auth import TokenStore
 from .batcher import Batcher
+from .busy_poll import BusyPollEventLoop
 from .config import ServerConfig
 from .device import DeviceHandle
 from .guard import Guard, GuardedRegistrar, status_for
@@ -102,13 +103,16 @@ class Service:
         """Accept calls (health NOT_SERVING until :meth:`warm_up`) and start metrics."""
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        if isinstance(loop, BusyPollEventLoop):  # `logitserve serve` with --busy-poll-us
+            loop.hold_off_while(lambda: self.handle.thread_busy)
         self.batcher.start()
         await self.server.start()
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port, self.config.host)
         log_event(log, "listening", port=self.port, tls=self.tls, mutual_tls=self.config.tls_client_ca is not None,
                   auth=self.tokens is not None, metrics_port=self.config.metrics_port or None,
-                  busy_poll_us=self.config.resolved_busy_poll_us, **self.handle.properties)
+                  busy_poll_us=loop.window_us if isinstance(loop, BusyPollEventLoop) else 0, **self.handle.properties)
 
     async def warm_up(self) -> None:
         """Compile the kernels for the configured dtypes, then report SERVING."""

@@ -13,7 +13,10 @@ bench.service_ablation --variants echo,full,full+spin2000 --concurrency 1 --roun
 rounds (by 63 to 361 us, median 129), echo 839 us.
 
 The price: one core at 100 % while calls come less than the window apart; an idle server
-sleeps. On the CPU device the window is 0 (the kernels need the cores).
+sleeps. On the CPU device the window is 0 (the kernels need the cores). While the device's
+launch thread works (batches under load, captures, warm-up) the loop sleeps as usual: a loop
+polling in Python holds the GIL between polls, and a thread waiting for it gets it only when
+it asks the holder to let go, after the 5 ms switch interval.
 """
 
 from __future__ import annotations
@@ -21,18 +24,25 @@ from __future__ import annotations
 import asyncio
 import selectors
 import time
+from typing import Callable
+
+
+def _never() -> bool:
+    return False
 
 
 class BusyPollSelector(selectors.DefaultSelector):
-    """A selector whose blocking ``select`` first polls without blocking for ``window_s``."""
+    """A selector whose blocking ``select`` first polls without blocking for ``window_s``, unless
+    ``hold_off()`` is true."""
 
     def __init__(self, window_s: float):
         super().__init__()
         self._window_s = window_s
+        self.hold_off: Callable[[], bool] = _never
 
     def select(self, timeout=None):
-        if timeout is not None and timeout <= 0:
-            return super().select(0)
+        if (timeout is not None and timeout <= 0) or self.hold_off():
+            return super().select(timeout)
         start = time.monotonic()
         until = start + (self._window_s if timeout is None else min(self._window_s, timeout))
         while time.monotonic() < until:
@@ -43,8 +53,25 @@ class BusyPollSelector(selectors.DefaultSelector):
         return super().select(left)
 
 
-def event_loop_factory(window_us: int):
+class BusyPollEventLoop(asyncio.SelectorEventLoop):
+    """An event loop that polls for ``window_us`` before it sleeps (see the module's notes)."""
+
+    def __init__(self, window_us: int):
+        self.window_us = window_us
+        self._selector_polling = BusyPollSelector(window_us * 1e-6)
+        super().__init__(self._selector_polling)
+
+    def hold_off_while(self, predicate: Callable[[], bool]) -> None:
+        """Sleep at once, without polling, whenever ``predicate()`` is true."""
+        self._selector_polling.hold_off = predicate
+
+    def holding_off(self) -> bool:
+        """Whether the loop would sleep at once now."""
+        return self._selector_polling.hold_off()
+
+
+def event_loop_factory(window_us: int) -> Callable[[], asyncio.AbstractEventLoop]:
     """A factory of the server's event loops: busy-polling for ``window_us`` (0: asyncio's own)."""
     if window_us == 0:
         return asyncio.new_event_loop
-    return lambda: asyncio.SelectorEventLoop(BusyPollSelector(window_us * 1e-6))
+    return lambda: BusyPollEventLoop(window_us)

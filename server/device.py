@@ -104,6 +104,7 @@ class DeviceHandle:
                      else platform.processor() or platform.machine() or "cpu")
         self.warmed_dtypes: list[torch.dtype] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"logitserve-{self.device}")
+        self._thread_work = 0  # submitted to the launch thread and not yet done
         self._lock = asyncio.Lock()  # one launch at a time: warm-up and the batcher share the device
 
     @property
@@ -115,6 +116,11 @@ class DeviceHandle:
             props.update(total_memory=p.total_memory, multi_processor_count=p.multi_processor_count,
                          capability=f"{p.major}.{p.minor}")
         return props
+
+    @property
+    def thread_busy(self) -> bool:
+        """Whether the launch thread has work (the event loop then does not busy-poll: server/busy_poll.py)."""
+        return self._thread_work > 0
 
     @property
     def plan_cache_size(self) -> int:
@@ -197,6 +203,8 @@ class DeviceHandle:
         thread is using the stream, and the device must not pass to a replay on the event loop.
         """
         done = asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
+        self._thread_work += 1
+        done.add_done_callback(self._thread_work_done)
         try:
             return await asyncio.shield(done)
         except asyncio.CancelledError:
@@ -207,6 +215,9 @@ class DeviceHandle:
                     pass  # cancelled again: the thread still holds the stream
             done.exception()  # retrieved: what fn raised goes nowhere, the caller has left
             raise
+
+    def _thread_work_done(self, _done: asyncio.Future) -> None:
+        self._thread_work -= 1
 
     async def run(self, fn: Callable, *args):
         """Run ``fn(*args)`` alone on the device's launch thread (and stream); return its result

@@ -56,3 +56,48 @@ def test_loops_made_by_the_factory_run_coroutines_and_timers():
     for window_us in (0, 500):
         with asyncio.Runner(loop_factory=event_loop_factory(window_us)) as runner:
             assert runner.run(main()) == 7
+
+
+def _cpu_seconds_of_select(selector, timeout: float) -> float:
+    reader, writer = socket.socketpair()
+    with reader, writer:
+        selector.register(reader, 1)
+        start = time.thread_time()
+        selector.select(timeout)
+        selector.unregister(reader)
+        return time.thread_time() - start
+
+
+def test_polls_on_the_cpu_and_sleeps_while_held_off():
+    with BusyPollSelector(window_s=0.2) as selector:
+        assert _cpu_seconds_of_select(selector, 0.1) > 0.05  # polling: the core stays busy
+        selector.hold_off = lambda: True
+        assert _cpu_seconds_of_select(selector, 0.1) < 0.05  # asleep in epoll_wait
+
+
+def test_server_holds_off_polling_while_its_launch_thread_works():
+    from logitserve.server.app import create_server
+    from logitserve.server.busy_poll import BusyPollEventLoop
+
+    async def main():
+        service, _ = create_server(ServerConfig(device="cpu", port=0, warmup_dtypes=()))
+        await service.start()
+        try:
+            hold_off = asyncio.get_running_loop().holding_off
+            assert not hold_off()
+            started, release = threading.Event(), threading.Event()
+
+            def work():
+                started.set()
+                release.wait(10)
+            running = asyncio.ensure_future(service.handle.run(work))
+            await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+            assert hold_off() and service.handle.thread_busy
+            release.set()
+            await running
+            assert not hold_off()
+        finally:
+            await service.stop(0)
+
+    with asyncio.Runner(loop_factory=lambda: BusyPollEventLoop(500)) as runner:
+        runner.run(main())
