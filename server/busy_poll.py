@@ -5,18 +5,21 @@ on. A loop asleep in ``epoll_wait`` is woken by the kernel, and on the lent H100
 virtual machine) a woken thread starts late: the loop, its core and its caches come back cold.
 A loop that keeps polling (``epoll_wait`` with no timeout) for ``--busy-poll-us`` after its last
 event sees the next call at once. A client calling one call after another leaves the server idle
-for its round trip, 700 us and more on that host, so the window is 2 ms by default on CUDA.
+for its round trip, 700 us and more on that host; a window of 2000 us covers it.
 
-Measured there (Sample 1x128256 bf16, concurrency 1, 10 rounds, ``python -m
-bench.service_ablation --variants echo,full,full+spin2000 --concurrency 1 --rounds 10``,
-2026-11-22): p50 1,328 us sleeping against 1,203 us polling, lower in every one of the ten
-rounds (by 63 to 361 us, median 129), echo 839 us.
+Measured there, Sample 1x128256 bf16, p50 at concurrency 1 with a 2 ms window against none
+(``python -m bench.service_ablation``, 2026-11-22): 1,203 against 1,328 us, lower in each of
+10 rounds; in a later run 1,306 against 1,308 us; in a third (20 rounds, variants in random
+order) 1,138 against 1,109 us by median, while against the previous commit the polling server
+gained a median 57 us a round and the sleeping one 15. Under load (8 and 64 calls in flight, two
+runs of 3 and 5 rounds) the polling server served 5-11 % fewer calls a second than the sleeping
+one, by median. So it is off by default: a deployment whose host wakes threads slowly can try it
+and measure.
 
 The price: one core at 100 % while calls come less than the window apart; an idle server
-sleeps. On the CPU device the window is 0 (the kernels need the cores). While the device's
-launch thread works (batches under load, captures, warm-up) the loop sleeps as usual: a loop
-polling in Python holds the GIL between polls, and a thread waiting for it gets it only when
-it asks the holder to let go, after the 5 ms switch interval.
+sleeps. While the device's launch thread works (batches under load, captures, warm-up) the loop
+sleeps as usual: a loop polling in Python holds the GIL between polls, and a thread waiting for
+it gets it only when it asks the holder to let go, after the 5 ms switch interval.
 """
 
 from __future__ import annotations

@@ -41,15 +41,6 @@ def _width_list(text: str) -> tuple[int, ...] | None:
         raise argparse.ArgumentTypeError(f"{text!r}: must be 'auto' or comma-separated integers") from None
 
 
-def _auto_int(text: str) -> int | None:
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be 'auto' or an integer") from None
-
-
 def _switch(text: str) -> bool:
     value = text.strip().lower()
     if value in ("on", "true", "1", "yes"):
@@ -88,8 +79,8 @@ FLAGS = (
     ("--reuse-port", _switch, "on" if _D.reuse_port else "off",
      "let other processes bind the same port (set by --workers for its processes)"),
     ("--metrics-port", int, _D.metrics_port, "Prometheus /metrics port, worker i on this port + i (0: off)"),
-    ("--busy-poll-us", _auto_int, "auto", "how long the event loop polls for the next call before it sleeps "
-     "(us; auto: 2000 on CUDA, 0 on the CPU; 0: off)"),
+    ("--busy-poll-us", int, _D.busy_poll_us, "how long the event loop polls for the next call before it sleeps "
+     "(us; 0: it sleeps at once)"),
     ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
     ("--log-level", str, _D.log_level, f"one of {', '.join(LOG_LEVELS)}"),
 )
@@ -189,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_workers(config)
     try:
-        with asyncio.Runner(loop_factory=event_loop_factory(config.resolved_busy_poll_us)) as runner:
+        with asyncio.Runner(loop_factory=event_loop_factory(config.busy_poll_us)) as runner:
             return runner.run(serve(config))
     except (OSError, RuntimeError, ValueError) as exc:  # a taken port, a missing TLS file, no such GPU
         log_event(log, "failed to start", error=str(exc))
