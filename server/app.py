@@ -104,15 +104,17 @@ class Service:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
+        busy_poll_us = 0
         if isinstance(loop, BusyPollEventLoop):  # `logitserve serve` with --busy-poll-us
             loop.hold_off_while(lambda: self.handle.thread_busy)
+            busy_poll_us = loop.window_us
         self.batcher.start()
         await self.server.start()
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port, self.config.host)
         log_event(log, "listening", port=self.port, tls=self.tls, mutual_tls=self.config.tls_client_ca is not None,
                   auth=self.tokens is not None, metrics_port=self.config.metrics_port or None,
-                  busy_poll_us=loop.window_us if isinstance(loop, BusyPollEventLoop) else 0, **self.handle.properties)
+                  busy_poll_us=busy_poll_us, **self.handle.properties)
 
     async def warm_up(self) -> None:
         """Compile the kernels for the configured dtypes, then report SERVING."""
