@@ -134,8 +134,8 @@ def _package_site(checkout: str) -> str:
     package-dir, as symlinks), made once per checkout."""
     checkout = os.path.abspath(checkout)
     site = os.path.join(tempfile.gettempdir(), "logitserve-baseline-" + checkout.strip("/").replace("/", "_"))
+    os.makedirs(os.path.join(site, "logitserve"), exist_ok=True)
     for name, path in (("kernels", "kernels"), ("server", "server"), ("client", "client"), ("v1", "protos/logitserve/v1")):
-        os.makedirs(os.path.join(site, "logitserve"), exist_ok=True)
         link = os.path.join(site, "logitserve", name)
         if not os.path.islink(link):
             os.symlink(os.path.join(checkout, path), link)

@@ -66,8 +66,8 @@ class ServerConfig:
     # Prometheus metrics over HTTP on this port (worker i of --workers: this port + i); 0 turns them off.
     metrics_port: int = 0
     # How long the event loop polls for the next call before it sleeps, in us (server/busy_poll.py);
-    # 0: it sleeps at once. Off by default: on the H100 host its gain at concurrency 1 was 0 to
-    # 125 us from run to run, and loaded servers lost a little throughput.
+    # 0: it sleeps at once. Off by default: on the H100 host its median gain at concurrency 1 was
+    # 125, 2 and -29 us in three runs, and loaded servers lost a little throughput.
     busy_poll_us: int = 0
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0

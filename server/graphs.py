@@ -12,7 +12,8 @@ a static device buffer. A batch is padded up to the next power of two of its row
 whatever an earlier batch left there, and their outputs are never read. :class:`LaunchGraphs`
 keeps them per (key, bucket), captured on first use and dropped least recently used beyond a
 byte budget of page-locked memory. A graph is captured on the device's launch thread (the
-first run compiles); its replays start on the event loop (:meth:`.device.DeviceHandle.launch`).
+first run compiles); a replay starts on the launch thread or on the event loop, as the launch's
+``wait`` says (:meth:`.device.DeviceHandle.launch`).
 
 A captured launch replays what the launch function did while it was captured: only its input
 tensors' contents change between replays, so the function must depend on nothing but its
