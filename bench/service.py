@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import functools
 import multiprocessing
 import os
 import platform
@@ -164,6 +165,7 @@ class ServerSpec:
     label: str
     argv: list[str]  # without the port
     is_echo: bool = False
+    cpus: set[int] | None = None  # the CPUs it may run on (None: any)
 
 
 def server_specs(device: str, backend: str, extra: Sequence[str]) -> list[ServerSpec]:
@@ -221,7 +223,8 @@ def running(spec: ServerSpec, startup_timeout_s: float) -> Iterator[Running]:
         metrics_urls = [f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(_workers(argv))]
     log = tempfile.NamedTemporaryFile("w+", prefix="bench-service-", suffix=".log", delete=False)
     print(f"# starting {spec.label}: {shlex.join(argv)} (log {log.name})", file=sys.stderr, flush=True)
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pin = None if spec.cpus is None else functools.partial(os.sched_setaffinity, 0, spec.cpus)
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
     target = f"127.0.0.1:{port}"
     try:
         t0 = time.monotonic()

@@ -25,8 +25,12 @@ many rounds it was faster.
 - ``queued``: every call goes through the batcher's queue (the server launches a call that
   finds it idle at once, in its handler); ``idleN``: at once after N us idle (the server: 300);
 - ``swN``: a GIL switch interval of N us in the server;
-- ``busyN``: ``--busy-poll-us N`` (the event loop polls N us before it sleeps; on CUDA the
-  server's default is 2000).
+- ``busyN``: ``--busy-poll-us N`` (the event loop polls N us before it sleeps; the server's
+  default is 0, no polling).
+
+``full#2`` is a second server of variant ``full``: two servers of one variant measure how far
+servers differ by where the OS places them (A/A). ``--server-cpus`` and ``--client-cpus`` pin
+the servers and the load to CPUs, the same for every variant.
 
 ``--baseline DIR`` names a checkout of another commit (``git worktree add DIR REV``); a variant
 written ``base:X`` runs variant X of that checkout, so a change is measured against its parent
@@ -75,10 +79,10 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
             return reply
         servicer.LogitServeServicer.Sample = answer
     if "thread" in variants or "poll" in variants:
-        launch, forced = device.DeviceHandle.launch, "poll" in variants
+        launch, forced = device.DeviceHandle.launch, device.Wait.POLL if "poll" in variants else device.Wait.THREAD
 
-        async def launch_forced(self, *args, poll=False):
-            return await launch(self, *args, poll=forced)
+        async def launch_forced(self, *args, wait=None):
+            return await launch(self, *args, wait=forced)
         device.DeviceHandle.launch = launch_forced
     for v in variants:
         if v.startswith("sw"):
@@ -87,11 +91,18 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
             batcher.AT_ONCE_AFTER_IDLE_S = int(v[4:]) * 1e-6
     if "queued" in variants:
         batcher.AT_ONCE_AFTER_IDLE_S = math.inf
+    return main([*argv, *server_flags(variants)])
+
+
+def server_flags(variants: set[str]) -> list[str]:
+    """The ``logitserve serve`` flags that ``variants`` stand for."""
+    flags = []
+    for v in sorted(variants):
         if v.startswith("busy"):
-            argv = [*argv, "--busy-poll-us", v[4:]]
+            flags += ["--busy-poll-us", v[4:]]
     if "eager" in variants:
-        argv = [*argv, "--cuda-graphs", "off"]
-    return main(argv)
+        flags += ["--cuda-graphs", "off"]
+    return flags
 
 
 def _device_round_trip():
@@ -113,20 +124,21 @@ def _device_round_trip():
     return trip
 
 
-def spec(variant: str, device: str, baseline: str | None) -> ServerSpec:
-    if variant == "echo":
-        return ServerSpec("echo", [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1"], is_echo=True)
+def spec(variant: str, device: str, baseline: str | None, cpus: set[int] | None = None) -> ServerSpec:
+    name = variant.split("#", 1)[0]  # full#2: a second server of variant full
+    if name == "echo":
+        return ServerSpec(variant, [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1"], is_echo=True,
+                          cpus=cpus)
     run_in = []
-    name = variant
-    if variant.startswith("base:"):
+    if name.startswith("base:"):
         if baseline is None:
             raise SystemExit(f"{variant}: needs --baseline DIR")
-        name = variant.removeprefix("base:")
+        name = name.removeprefix("base:")
         # From the baseline checkout, with its own package: `-m` looks in the working directory first.
         run_in = ["env", "-C", baseline, f"PYTHONPATH={_package_site(baseline)}:{os.environ.get('PYTHONPATH', '')}"]
     warm = "bfloat16" if "full" in name.split("+") else "none"
     return ServerSpec(variant, [*run_in, sys.executable, "-m", "bench.service_ablation", "--serve", name, "serve",
-                                "--host", "127.0.0.1", "--device", device, "--warmup-dtypes", warm])
+                                "--host", "127.0.0.1", "--device", device, "--warmup-dtypes", warm], cpus=cpus)
 
 
 def _package_site(checkout: str) -> str:
@@ -146,9 +158,9 @@ def _each(values) -> str:
     return " ".join(f"{x:.0f}" for x in values)
 
 
-def launch_counts(variant: str, target: str) -> tuple[int, int]:
+def launch_counts(server: ServerSpec, target: str) -> tuple[int, int]:
     """The server's (launches, requests they served) so far; zeros for the echo server."""
-    if variant == "echo":
+    if server.is_echo:
         return 0, 0
     with Client(target) as client:
         stats = client.server_info().stats
@@ -168,23 +180,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=4.0, help="time bound per case and round")
     parser.add_argument("--seed", type=int, default=0, help="of the variants' order in each round")
     parser.add_argument("--baseline", help="a checkout of another commit: variants base:X run its variant X")
+    parser.add_argument("--server-cpus", type=cpu_list, help="CPUs every server runs on, e.g. 2-5 (default: any)")
+    parser.add_argument("--client-cpus", type=cpu_list, help="CPUs the load runs on, e.g. 8,9 (default: any)")
     args = parser.parse_args(argv)
+    if args.client_cpus:
+        os.sched_setaffinity(0, args.client_cpus)
     payload = next(p for p in payloads() if p.name == "Sample 1x128256 bf16")
     variants = args.variants.split(",")
+    if len(set(variants)) != len(variants):
+        raise SystemExit(f"--variants: each at most once (a second server of one variant: full#2), got {args.variants}")
     cases = [(c, calls) for c, calls in CASES if str(c) in args.concurrency.split(",")]
     runs: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    specs = {v: spec(v, args.device, args.baseline, args.server_cpus) for v in variants}
     with contextlib.ExitStack() as stack:
-        servers = {v: stack.enter_context(running(spec(v, args.device, args.baseline), 900)) for v in variants}
+        servers = {v: stack.enter_context(running(specs[v], 900)) for v in variants}
         order = random.Random(args.seed)
         for _ in range(args.rounds):
             for concurrency, calls in cases:
                 for v in order.sample(variants, len(variants)):
-                    launches, requests = launch_counts(v, servers[v].target)
+                    launches, requests = launch_counts(specs[v], servers[v].target)
                     lat, errors, wall, _, _ = asyncio.run(drive(servers[v].target, payload, concurrency, calls, 30,
                                                                 args.max_seconds, False))
                     if errors:
                         print(f"# {v} c={concurrency}: errors {errors}", file=sys.stderr)
-                    launches, requests = (n - n0 for n, n0 in zip(launch_counts(v, servers[v].target),
+                    launches, requests = (n - n0 for n, n0 in zip(launch_counts(specs[v], servers[v].target),
                                                                   (launches, requests)))
                     lat.sort()
                     runs.setdefault((v, concurrency), []).append(
@@ -195,12 +214,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{v:16s} c={concurrency:3d} p50 {statistics.median(p50s):6.0f} us ({_each(p50s)})"
                   f"  {statistics.median(rates):5.0f} calls/s ({_each(rates)})"
                   f"  {statistics.median(per_launch):4.1f} requests/launch", flush=True)
-    compared = [v for v in variants if v != "echo"]
+    compared = [v for v in variants if not specs[v].is_echo]
     for concurrency, _ in cases:
         for v in compared[1:]:
             print(f"{v} against {compared[0]}, c={concurrency}: "
                   + _paired(runs[(v, concurrency)], runs[(compared[0], concurrency)]), flush=True)
     return 0
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs written as in taskset: ``2-5,8``."""
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def _paired(runs: list[tuple[float, float, float]], reference: list[tuple[float, float, float]]) -> str:
