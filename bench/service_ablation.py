@@ -30,7 +30,8 @@ many rounds it was faster.
 
 ``full#2`` is a second server of variant ``full``: two servers of one variant measure how far
 servers differ by where the OS places them (A/A). ``--server-cpus`` and ``--client-cpus`` pin
-the servers and the load to CPUs, the same for every variant.
+the servers and the load to CPUs, the same for every variant; ``full@2-3`` pins one variant's
+server to CPUs 2 and 3.
 
 ``--baseline DIR`` names a checkout of another commit (``git worktree add DIR REV``); a variant
 written ``base:X`` runs variant X of that checkout, so a change is measured against its parent
@@ -126,6 +127,9 @@ def _device_round_trip():
 
 def spec(variant: str, device: str, baseline: str | None, cpus: set[int] | None = None) -> ServerSpec:
     name = variant.split("#", 1)[0]  # full#2: a second server of variant full
+    name, _, pinned = name.partition("@")  # full@2-3: variant full on CPUs 2 and 3
+    if pinned:
+        cpus = cpu_list(pinned)
     if name == "echo":
         return ServerSpec(variant, [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1"], is_echo=True,
                           cpus=cpus)

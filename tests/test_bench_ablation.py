@@ -22,3 +22,10 @@ def test_cpu_list_reads_taskset_lists():
     assert cpu_list("2-5,8") == {2, 3, 4, 5, 8}
     assert cpu_list("3") == {3}
     assert spec("full", "cpu", None, cpus={1, 2}).cpus == {1, 2}
+
+
+def test_variant_pinned_to_its_own_cpus():
+    pinned = spec("full+busy100@2-3#2", "cpu", None, cpus={7})
+    assert pinned.cpus == {2, 3}
+    assert pinned.argv[pinned.argv.index("--serve") + 1] == "full+busy100"
+    assert spec("echo@4", "cpu", None).cpus == {4}
