@@ -106,7 +106,8 @@ class Service:
         loop = asyncio.get_running_loop()
         busy_poll_us = 0
         if isinstance(loop, BusyPollEventLoop):  # `logitserve serve` with --busy-poll-us
-            loop.hold_off_while(lambda: self.handle.thread_busy)
+            occupancy = self.batcher.occupancy
+            loop.hold_off_while(lambda: self.handle.thread_busy or not occupancy.one_at_a_time())
             busy_poll_us = loop.window_us
         self.batcher.start()
         await self.server.start()

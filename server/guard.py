@@ -71,6 +71,12 @@ class CallRecord:
     code: grpc.StatusCode = grpc.StatusCode.OK
 
 
+# The server counts as taking calls one at a time once it has held no two calls at once for this
+# long. Launching a call at once in its handler (batcher.py) and busy polling (busy_poll.py) help
+# such a server and cost a loaded one its batching, so both apply only then.
+ONE_AT_A_TIME_AFTER_S = 0.05
+
+
 class Occupancy:
     """The calls the server is handling (health checks aside, their Watch streams are long), how
     long it had been empty when the latest call that found it empty arrived, and when it last held
@@ -94,6 +100,10 @@ class Occupancy:
         self.calls -= 1
         if self.calls == 0:
             self._empty_since = time.monotonic()
+
+    def one_at_a_time(self) -> bool:
+        """Whether the server has held no two calls at once for ONE_AT_A_TIME_AFTER_S."""
+        return time.monotonic() - self.crowded_at >= ONE_AT_A_TIME_AFTER_S
 
 
 _current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("logitserve_call", default=None)

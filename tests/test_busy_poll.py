@@ -68,7 +68,7 @@ def test_polls_on_the_cpu_and_sleeps_while_held_off():
         assert _cpu_seconds_of_select(selector, 0.1) < 0.05  # asleep in epoll_wait
 
 
-def test_server_holds_off_polling_while_its_launch_thread_works():
+def test_server_holds_off_polling_while_its_launch_thread_works_or_calls_overlap():
     from logitserve.server.app import create_server
     from logitserve.server.busy_poll import BusyPollEventLoop
 
@@ -89,6 +89,8 @@ def test_server_holds_off_polling_while_its_launch_thread_works():
             release.set()
             await running
             assert not hold_off()
+            service.batcher.occupancy.crowded_at = time.monotonic()  # two calls at once just now
+            assert hold_off()
         finally:
             await service.stop(0)
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from logitserve.server.batcher import AT_ONCE_AFTER_CROWD_S, AT_ONCE_AFTER_IDLE_S, Batcher
+from logitserve.server.batcher import AT_ONCE_AFTER_IDLE_S, Batcher
 from logitserve.server.device import Wait
 from logitserve.server.errors import DeadlineExpired, Draining, QueueFull
-from logitserve.server.guard import Occupancy
+from logitserve.server.guard import ONE_AT_A_TIME_AFTER_S, Occupancy
 
 
 class FakeCall:
@@ -69,18 +69,20 @@ def test_compatible_calls_share_one_launch():
 def test_occupancy_counts_calls_and_times_idleness_and_crowding():
     o = Occupancy()
     o.enter()
-    assert o.calls == 1 and o.crowded_at == -float("inf")
+    assert o.calls == 1 and o.crowded_at == -float("inf") and o.one_at_a_time()
     o.leave()
     time.sleep(0.02)
     before = time.monotonic()
     o.enter()
     assert o.idle_before >= 0.02 and o.crowded_at == -float("inf")
     o.enter()  # a second call while the first is in
-    assert o.calls == 2 and o.crowded_at >= before
+    assert o.calls == 2 and o.crowded_at >= before and not o.one_at_a_time()
     o.leave()
     o.leave()
     o.enter()
-    assert o.calls == 1 and o.idle_before < 0.02
+    assert o.calls == 1 and o.idle_before < 0.02 and not o.one_at_a_time()  # crowded a moment ago
+    o.crowded_at -= ONE_AT_A_TIME_AFTER_S
+    assert o.one_at_a_time()
 
 
 def occupancy(calls: int, idle_before: float = 0.0, crowded_ago: float = 1.0) -> Occupancy:
@@ -120,7 +122,7 @@ def test_a_call_that_finds_the_server_idle_launches_at_once_without_yielding():
 
 @pytest.mark.parametrize("calls,idle_before,crowded_ago,launching,max_delay_s", [
     (1, AT_ONCE_AFTER_IDLE_S / 2, 1.0, 0, 0),  # the server was not empty for long: load may be on the way
-    (1, 1.0, AT_ONCE_AFTER_CROWD_S / 2, 0, 0),  # calls overlapped not long ago: load comes and goes
+    (1, 1.0, ONE_AT_A_TIME_AFTER_S / 2, 0, 0),  # calls overlapped not long ago: load comes and goes
     (2, 1.0, 1.0, 0, 0),  # another call is in the server
     (1, 1.0, 1.0, 1, 0),  # a launch is under way (of calls whose RPC is this one: a Step's other ops)
     (1, 1.0, 1.0, 0, 0.001),  # --max-delay-us asks calls to wait for company
