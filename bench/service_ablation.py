@@ -22,8 +22,9 @@ many rounds it was faster.
 - ``full``: the server as it is; ``eager``: with ``--cuda-graphs off``;
 - ``thread`` / ``poll``: every graph replay waited for on the launch thread / polled on the
   event loop (the server polls only a batch that holds every call in the server);
-- ``queued``: every call goes through the batcher's queue (the server launches a call that
-  finds it idle at once, in its handler); ``idleN``: at once after N us idle (the server: 300);
+- ``queued``: every call goes through the batcher's queue (the server launches a lone client's
+  call at once, in its handler); ``idleN``: a call after N us idle may come from a lone client
+  (the server: 300; it also decides when ``busyN`` polls);
 - ``swN``: a GIL switch interval of N us in the server;
 - ``busyN``: ``--busy-poll-us N`` (the event loop polls N us before it sleeps; the server's
   default is 0, no polling).
@@ -43,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import os
 import random
 import statistics
@@ -59,7 +59,7 @@ CASES = ((1, 400), (8, 1500), (64, 3000))  # (concurrency, calls per round)
 
 def serve_patched(variants: set[str], argv: list[str]) -> int:
     """Apply ``variants`` to the server's modules, then run ``logitserve serve argv``."""
-    from logitserve.server import batcher, device, ops, servicer
+    from logitserve.server import batcher, device, guard, ops, servicer
     from logitserve.server.cli import main
 
     if "noop" in variants:
@@ -89,9 +89,9 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
         if v.startswith("sw"):
             sys.setswitchinterval(int(v[2:]) * 1e-6)
         if v.startswith("idle"):
-            batcher.AT_ONCE_AFTER_IDLE_S = int(v[4:]) * 1e-6
+            guard.LONE_CLIENT_IDLE_S = int(v[4:]) * 1e-6
     if "queued" in variants:
-        batcher.AT_ONCE_AFTER_IDLE_S = math.inf
+        batcher.Batcher._has_server_to_itself = lambda self: False
     return main([*argv, *server_flags(variants)])
 
 

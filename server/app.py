@@ -107,7 +107,7 @@ class Service:
         busy_poll_us = 0
         if isinstance(loop, BusyPollEventLoop):  # `logitserve serve` with --busy-poll-us
             occupancy = self.batcher.occupancy
-            loop.hold_off_while(lambda: self.handle.thread_busy or not occupancy.one_at_a_time())
+            loop.hold_off_while(lambda: self.handle.thread_busy or not occupancy.serves_a_lone_client())
             busy_poll_us = loop.window_us
         self.batcher.start()
         await self.server.start()

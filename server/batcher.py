@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -36,15 +35,11 @@ from .logs import get_logger, log_event
 
 log = get_logger("batcher")
 
-# A call launches at once in its own handler, not through the queue, when it finds the server
-# empty after AT_ONCE_AFTER_IDLE_S and the server takes calls one at a time (no two at once for
-# guard.ONE_AT_A_TIME_AFTER_S). A client calling one call after another leaves the server empty for its
-# whole round trip (700 us and more on the H100 host). Under load the next call is mostly in
-# gRPC's hands as the last one ends, and comes sooner; but not always, and calls launched at once
-# run one by one (a handler that never yields lets no other call in): on the H100 host, with the
-# idle rule alone, 64 calls in flight got 2.3 calls a launch against 3.9 through the queue. Calls
-# that overlap, as any load's do now and then, keep the server off launching at once for a while.
-AT_ONCE_AFTER_IDLE_S = 300e-6
+# A call launches at once in its own handler, not through the queue, when it is the only call in
+# a server that serves a lone client (guard.Occupancy.serves_a_lone_client). A handler that never
+# yields lets no other call in, so calls launched at once run one by one: on the H100 host, with
+# an idle rule alone (no overlap rule), 64 calls in flight got 2.3 calls a launch against 3.9
+# through the queue.
 
 
 @dataclass(eq=False)
@@ -120,12 +115,11 @@ class Batcher:
         return await pending.future
 
     def _has_server_to_itself(self) -> bool:
-        """Whether the call being submitted is the only one in the server, which had been empty
-        for at least AT_ONCE_AFTER_IDLE_S when it came and takes calls one at a time, and no
-        launch is queued or under way: then no one is there to share its launch, and none is on
-        the way. Never when ``max_delay_s`` asks calls to wait for company."""
+        """Whether the call being submitted is the only one in a server that serves a lone client,
+        and no launch is queued or under way: then no one is there to share its launch, and none
+        is on the way. Never when ``max_delay_s`` asks calls to wait for company."""
         o = self.occupancy
-        return (o is not None and o.calls == 1 and o.idle_before >= AT_ONCE_AFTER_IDLE_S and o.one_at_a_time()
+        return (o is not None and o.calls == 1 and o.serves_a_lone_client()
                 and self._queued == 0 and not self._launching and self.max_delay_s == 0)
 
     async def _launch_at_once(self, call):

@@ -71,10 +71,16 @@ class CallRecord:
     code: grpc.StatusCode = grpc.StatusCode.OK
 
 
-# The server counts as taking calls one at a time once it has held no two calls at once for this
-# long. Launching a call at once in its handler (batcher.py) and busy polling (busy_poll.py) help
-# such a server and cost a loaded one its batching, so both apply only then.
-ONE_AT_A_TIME_AFTER_S = 0.05
+# A server serves a lone client (one call after another) when its latest call found it empty for
+# at least LONE_CLIENT_IDLE_S and it has held no two calls at once for LONE_CLIENT_CROWD_S. Such a
+# client leaves the server empty for its whole round trip (700 us and more on the H100 host).
+# Under load the next call is mostly in gRPC's hands as the last one ends and comes sooner; but
+# not always, and gRPC hands a loaded server its calls one at a time more often than not, so
+# overlap seen once keeps the server off the lone-client rules for a while. Launching a call at
+# once in its handler (batcher.py) and busy polling (busy_poll.py) apply only to a lone client:
+# under load both made batches smaller and cost throughput on the H100 host.
+LONE_CLIENT_IDLE_S = 300e-6
+LONE_CLIENT_CROWD_S = 0.05
 
 
 class Occupancy:
@@ -101,9 +107,11 @@ class Occupancy:
         if self.calls == 0:
             self._empty_since = time.monotonic()
 
-    def one_at_a_time(self) -> bool:
-        """Whether the server has held no two calls at once for ONE_AT_A_TIME_AFTER_S."""
-        return time.monotonic() - self.crowded_at >= ONE_AT_A_TIME_AFTER_S
+    def serves_a_lone_client(self) -> bool:
+        """Whether the latest call came after LONE_CLIENT_IDLE_S of idleness and no two calls
+        were in the server at once for LONE_CLIENT_CROWD_S."""
+        return (self.idle_before >= LONE_CLIENT_IDLE_S
+                and time.monotonic() - self.crowded_at >= LONE_CLIENT_CROWD_S)
 
 
 _current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("logitserve_call", default=None)

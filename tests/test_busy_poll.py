@@ -1,5 +1,5 @@
 """The busy-polling event loop (--busy-poll-us): it answers events inside and after its window,
-honours timeouts, and sleeps while the server's launch thread works."""
+honours timeouts, and sleeps while the server's launch thread works or no lone client calls."""
 
 import asyncio
 import socket
@@ -8,6 +8,7 @@ import time
 
 from logitserve.server.busy_poll import BusyPollSelector, event_loop_factory
 from logitserve.server.config import ServerConfig
+from logitserve.server.guard import LONE_CLIENT_IDLE_S
 
 
 def _ready_after(delay_s: float, window_s: float, timeout: float | None):
@@ -68,7 +69,7 @@ def test_polls_on_the_cpu_and_sleeps_while_held_off():
         assert _cpu_seconds_of_select(selector, 0.1) < 0.05  # asleep in epoll_wait
 
 
-def test_server_holds_off_polling_while_its_launch_thread_works_or_calls_overlap():
+def test_server_polls_only_for_a_lone_client_and_not_while_its_launch_thread_works():
     from logitserve.server.app import create_server
     from logitserve.server.busy_poll import BusyPollEventLoop
 
@@ -77,6 +78,9 @@ def test_server_holds_off_polling_while_its_launch_thread_works_or_calls_overlap
         await service.start()
         try:
             hold_off = asyncio.get_running_loop().holding_off
+            occupancy = service.batcher.occupancy
+            assert hold_off()  # no call yet: nothing says a lone client calls
+            occupancy.idle_before = LONE_CLIENT_IDLE_S  # a call after an idle gap, as a lone client's come
             assert not hold_off()
             started, release = threading.Event(), threading.Event()
 
@@ -89,7 +93,7 @@ def test_server_holds_off_polling_while_its_launch_thread_works_or_calls_overlap
             release.set()
             await running
             assert not hold_off()
-            service.batcher.occupancy.crowded_at = time.monotonic()  # two calls at once just now
+            occupancy.crowded_at = time.monotonic()  # two calls at once just now: load
             assert hold_off()
         finally:
             await service.stop(0)

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from logitserve.server.batcher import AT_ONCE_AFTER_IDLE_S, Batcher
+from logitserve.server.batcher import Batcher
 from logitserve.server.device import Wait
 from logitserve.server.errors import DeadlineExpired, Draining, QueueFull
-from logitserve.server.guard import ONE_AT_A_TIME_AFTER_S, Occupancy
+from logitserve.server.guard import LONE_CLIENT_CROWD_S, LONE_CLIENT_IDLE_S, Occupancy
 
 
 class FakeCall:
@@ -69,20 +69,22 @@ def test_compatible_calls_share_one_launch():
 def test_occupancy_counts_calls_and_times_idleness_and_crowding():
     o = Occupancy()
     o.enter()
-    assert o.calls == 1 and o.crowded_at == -float("inf") and o.one_at_a_time()
+    assert o.calls == 1 and o.crowded_at == -float("inf")
     o.leave()
     time.sleep(0.02)
     before = time.monotonic()
     o.enter()
-    assert o.idle_before >= 0.02 and o.crowded_at == -float("inf")
+    assert o.idle_before >= 0.02 and o.crowded_at == -float("inf") and o.serves_a_lone_client()
     o.enter()  # a second call while the first is in
-    assert o.calls == 2 and o.crowded_at >= before and not o.one_at_a_time()
+    assert o.calls == 2 and o.crowded_at >= before and not o.serves_a_lone_client()
     o.leave()
     o.leave()
     o.enter()
-    assert o.calls == 1 and o.idle_before < 0.02 and not o.one_at_a_time()  # crowded a moment ago
-    o.crowded_at -= ONE_AT_A_TIME_AFTER_S
-    assert o.one_at_a_time()
+    assert o.calls == 1 and o.idle_before < LONE_CLIENT_IDLE_S and not o.serves_a_lone_client()
+    o.crowded_at -= LONE_CLIENT_CROWD_S
+    assert not o.serves_a_lone_client()  # no overlap for long, but the call came straight after another
+    o.idle_before = LONE_CLIENT_IDLE_S
+    assert o.serves_a_lone_client()
 
 
 def occupancy(calls: int, idle_before: float = 0.0, crowded_ago: float = 1.0) -> Occupancy:
@@ -107,7 +109,7 @@ def test_a_batch_holding_every_call_in_the_server_is_polled(in_server, wait):
 def test_a_call_that_finds_the_server_idle_launches_at_once_without_yielding():
     async def main():
         handle = FakeHandle()
-        b = make(handle, occupancy=occupancy(1, idle_before=AT_ONCE_AFTER_IDLE_S), max_delay_s=0)
+        b = make(handle, occupancy=occupancy(1, idle_before=LONE_CLIENT_IDLE_S), max_delay_s=0)
         submitted = b.submit(FakeCall(7))
         with pytest.raises(StopIteration) as answered:  # ran to its answer on the first step
             submitted.send(None)
@@ -121,8 +123,8 @@ def test_a_call_that_finds_the_server_idle_launches_at_once_without_yielding():
 
 
 @pytest.mark.parametrize("calls,idle_before,crowded_ago,launching,max_delay_s", [
-    (1, AT_ONCE_AFTER_IDLE_S / 2, 1.0, 0, 0),  # the server was not empty for long: load may be on the way
-    (1, 1.0, ONE_AT_A_TIME_AFTER_S / 2, 0, 0),  # calls overlapped not long ago: load comes and goes
+    (1, LONE_CLIENT_IDLE_S / 2, 1.0, 0, 0),  # the server was not empty for long: load may be on the way
+    (1, 1.0, LONE_CLIENT_CROWD_S / 2, 0, 0),  # calls overlapped not long ago: load comes and goes
     (2, 1.0, 1.0, 0, 0),  # another call is in the server
     (1, 1.0, 1.0, 1, 0),  # a launch is under way (of calls whose RPC is this one: a Step's other ops)
     (1, 1.0, 1.0, 0, 0.001),  # --max-delay-us asks calls to wait for company
