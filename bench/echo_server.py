@@ -65,7 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50052)
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop's event loop instead of asyncio's")
     args = parser.parse_args(argv)
+    if args.uvloop:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(args.host, args.port))
+        return 0
     asyncio.run(serve(args.host, args.port))
     return 0
 

@@ -26,6 +26,8 @@ many rounds it was faster.
   call at once, in its handler); ``idleN``: a call after N us idle may come from a lone client
   (the server: 300; it also decides when ``busyN`` polls);
 - ``swN``: a GIL switch interval of N us in the server;
+- ``uvloop``: the server's event loop is uvloop's instead of asyncio's (``echo+uvloop``: the
+  echo server's);
 - ``busyN``: ``--busy-poll-us N`` (the event loop polls N us before it sleeps; the server's
   default is 0, no polling).
 
@@ -92,6 +94,11 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
             guard.LONE_CLIENT_IDLE_S = int(v[4:]) * 1e-6
     if "queued" in variants:
         batcher.Batcher._has_server_to_itself = lambda self: False
+    if "uvloop" in variants:
+        import uvloop
+
+        from logitserve.server import cli
+        cli.event_loop_factory = lambda window_us: uvloop.new_event_loop
     return main([*argv, *server_flags(variants)])
 
 
@@ -130,9 +137,10 @@ def spec(variant: str, device: str, baseline: str | None, cpus: set[int] | None 
     name, _, pinned = name.partition("@")  # full@2-3: variant full on CPUs 2 and 3
     if pinned:
         cpus = cpu_list(pinned)
-    if name == "echo":
-        return ServerSpec(variant, [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1"], is_echo=True,
-                          cpus=cpus)
+    if name.split("+")[0] == "echo":
+        on_uvloop = ["--uvloop"] if "uvloop" in name.split("+") else []
+        return ServerSpec(variant, [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1", *on_uvloop],
+                          is_echo=True, cpus=cpus)
     run_in = []
     if name.startswith("base:"):
         if baseline is None:
