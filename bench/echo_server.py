@@ -67,13 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=50052)
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop's event loop instead of asyncio's")
     args = parser.parse_args(argv)
+    loop_factory = None  # asyncio's own
     if args.uvloop:
         import uvloop
 
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(serve(args.host, args.port))
-        return 0
-    asyncio.run(serve(args.host, args.port))
+        loop_factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(args.host, args.port))
     return 0
 
 

@@ -137,8 +137,9 @@ def spec(variant: str, device: str, baseline: str | None, cpus: set[int] | None 
     name, _, pinned = name.partition("@")  # full@2-3: variant full on CPUs 2 and 3
     if pinned:
         cpus = cpu_list(pinned)
-    if name.split("+")[0] == "echo":
-        on_uvloop = ["--uvloop"] if "uvloop" in name.split("+") else []
+    parts = name.split("+")
+    if parts[0] == "echo":
+        on_uvloop = ["--uvloop"] if "uvloop" in parts else []
         return ServerSpec(variant, [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1", *on_uvloop],
                           is_echo=True, cpus=cpus)
     run_in = []
@@ -148,7 +149,7 @@ def spec(variant: str, device: str, baseline: str | None, cpus: set[int] | None 
         name = name.removeprefix("base:")
         # From the baseline checkout, with its own package: `-m` looks in the working directory first.
         run_in = ["env", "-C", baseline, f"PYTHONPATH={_package_site(baseline)}:{os.environ.get('PYTHONPATH', '')}"]
-    warm = "bfloat16" if "full" in name.split("+") else "none"
+    warm = "bfloat16" if "full" in parts else "none"
     return ServerSpec(variant, [*run_in, sys.executable, "-m", "bench.service_ablation", "--serve", name, "serve",
                                 "--host", "127.0.0.1", "--device", device, "--warmup-dtypes", warm], cpus=cpus)
 
