@@ -149,7 +149,7 @@ def spec(variant: str, device: str, baseline: str | None, cpus: set[int] | None 
         name = name.removeprefix("base:")
         # From the baseline checkout, with its own package: `-m` looks in the working directory first.
         run_in = ["env", "-C", baseline, f"PYTHONPATH={_package_site(baseline)}:{os.environ.get('PYTHONPATH', '')}"]
-    warm = "bfloat16" if "full" in parts else "none"
+    warm = "bfloat16" if "full" in name.split("+") else "none"  # name without base:
     return ServerSpec(variant, [*run_in, sys.executable, "-m", "bench.service_ablation", "--serve", name, "serve",
                                 "--host", "127.0.0.1", "--device", device, "--warmup-dtypes", warm], cpus=cpus)
 
