@@ -29,7 +29,11 @@ many rounds it was faster.
 - ``uvloop``: the server's event loop is uvloop's instead of asyncio's (``echo+uvloop``: the
   echo server's);
 - ``busyN``: ``--busy-poll-us N`` (the event loop polls N us before it sleeps; the server's
-  default is 0, no polling).
+  default is 0, no polling);
+- ``timed``: times a Sample call's pieces inside the server (parse, parsed to handler, validate,
+  submit, of which the graph's stage, replay, and start and wait, reply, the whole handler) and
+  writes their medians to ``$LOGITSERVE_TIMED_DIR/<variant>.json`` when the server exits; run it
+  at concurrency 1 (the handler replaces Sample's, and a loaded server mixes the paths).
 
 ``full#2`` is a second server of variant ``full``: two servers of one variant measure how far
 servers differ by where the OS places them (A/A). ``--server-cpus`` and ``--client-cpus`` pin
@@ -94,12 +98,90 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
             guard.LONE_CLIENT_IDLE_S = int(v[4:]) * 1e-6
     if "queued" in variants:
         batcher.Batcher._has_server_to_itself = lambda self: False
+    if "timed" in variants:
+        _time_pieces(os.path.join(os.environ["LOGITSERVE_TIMED_DIR"], "+".join(sorted(variants)) + ".json"))
     if "uvloop" in variants:
         import uvloop
 
         from logitserve.server import cli
         cli.event_loop_factory = lambda window_us: uvloop.new_event_loop
     return main([*argv, *server_flags(variants)])
+
+
+def _time_pieces(path: str) -> None:
+    """Time a call's pieces inside the server; their medians go to ``path`` (JSON) at exit."""
+    import atexit
+    import functools
+    import json
+
+    from logitserve.server import device, graphs, guard, ops, servicer
+
+    spans: dict[str, list[int]] = {}
+    clock = time.perf_counter_ns
+    parsed = [0]  # when the latest request was parsed
+
+    def note(piece: str, t0: int) -> int:
+        now = clock()
+        spans.setdefault(piece, []).append(now - t0)
+        return now
+
+    tolerant = guard._tolerant
+
+    def timed_tolerant(deserializer):
+        parse = tolerant(deserializer)
+        if parse is None:
+            return None
+
+        def timed(data):
+            t0 = clock()
+            request = parse(data)
+            parsed[0] = note("parse", t0)
+            return request
+        return timed
+    guard._tolerant = timed_tolerant
+
+    finish = guard.Guard._finish
+
+    def timed_finish(self, record, t0):
+        spans.setdefault("handler", []).append(int((time.perf_counter() - t0) * 1e9))
+        return finish(self, record, t0)
+    guard.Guard._finish = timed_finish
+
+    async def timed_sample(self, request, context):
+        t = note("parsed to handler", parsed[0])
+        call = ops.SampleCall.from_pb(request, self._service.limits)
+        t = note("validate", t)
+        guard.note_rows(call.rows)
+        result = await self._service.batcher.submit(call, timeout=context.time_remaining())
+        t = note("submit", t)
+        reply = result.to_pb()
+        note("reply", t)
+        return reply
+    servicer.LogitServeServicer.Sample = timed_sample
+
+    def timed_start(self, stage):
+        t = clock()
+        stage.write(self._host_bytes)
+        t = note("stage", t)
+        self._graph.replay()
+        note("replay", t)
+    graphs.CapturedLaunch.start = timed_start
+
+    replay_on_loop = device.DeviceHandle._replay_on_loop
+
+    @functools.wraps(replay_on_loop)
+    async def timed_replay_on_loop(self, graph, stage, spin):
+        t0 = clock()
+        await replay_on_loop(self, graph, stage, spin)
+        note("start and wait", t0)
+    device.DeviceHandle._replay_on_loop = timed_replay_on_loop
+
+    def write() -> None:
+        medians = {k: statistics.median(v) / 1e3 for k, v in spans.items()}
+        medians["calls"] = len(spans.get("handler", ()))
+        with open(path, "w") as f:
+            json.dump(medians, f)
+    atexit.register(write)
 
 
 def server_flags(variants: set[str]) -> list[str]:
