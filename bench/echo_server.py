@@ -18,6 +18,8 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from logitserve.server.busy_poll import event_loop_factory
+
 REPLY = b"\x00" * 8
 
 
@@ -66,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50052)
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop's event loop instead of asyncio's")
+    parser.add_argument("--busy-poll-us", type=int, default=0,
+                        help="poll this long before the event loop sleeps, as the server's flag does (0: never)")
     args = parser.parse_args(argv)
-    loop_factory = None  # asyncio's own
+    if args.uvloop and args.busy_poll_us:
+        parser.error("--uvloop and --busy-poll-us: the busy poll is asyncio's selector loop, choose one")
+    loop_factory = event_loop_factory(args.busy_poll_us)
     if args.uvloop:
         import uvloop
 

@@ -27,7 +27,7 @@ many rounds it was faster.
   (the server: 300; it also decides when ``busyN`` polls);
 - ``swN``: a GIL switch interval of N us in the server;
 - ``uvloop``: the server's event loop is uvloop's instead of asyncio's (``echo+uvloop``: the
-  echo server's);
+  echo server's; ``echo+busyN`` polls as below);
 - ``busyN``: ``--busy-poll-us N`` (the event loop polls N us before it sleeps; the server's
   default is 0, no polling);
 - ``timed``: times a Sample call's pieces inside the server (parse, parsed to handler, validate,
@@ -221,8 +221,9 @@ def spec(variant: str, device: str, baseline: str | None, cpus: set[int] | None 
         cpus = cpu_list(pinned)
     parts = name.split("+")
     if parts[0] == "echo":
-        on_uvloop = ["--uvloop"] if "uvloop" in parts else []
-        return ServerSpec(variant, [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1", *on_uvloop],
+        loop_flags = ["--uvloop"] if "uvloop" in parts else []
+        loop_flags += [flag for v in parts if v.startswith("busy") for flag in ("--busy-poll-us", v[4:])]
+        return ServerSpec(variant, [sys.executable, "-m", "bench.echo_server", "--host", "127.0.0.1", *loop_flags],
                           is_echo=True, cpus=cpus)
     run_in = []
     if name.startswith("base:"):

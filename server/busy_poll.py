@@ -13,8 +13,14 @@ Measured there, Sample 1x128256 bf16, p50 at concurrency 1 with a 2 ms window ag
 order) 1,138 against 1,109 us by median, while against the previous commit the polling server
 gained a median 57 us a round and the sleeping one 15. Under load (8 and 64 calls in flight, two
 runs of 3 and 5 rounds) the polling server served 5-11 % fewer calls a second than the sleeping
-one, by median. So it is off by default: a deployment whose host wakes threads slowly can try it
-and measure.
+one, by median. It stayed off by default then.
+
+Since the loop holds off whenever the server does not serve a lone client (two calls at once in
+the last 50 ms, server/guard.py), under load it sleeps as before, and three runs on the H100
+host (2026-11-24, ``python -m bench.service_ablation``, 5 to 8 rounds, the server's own code
+otherwise) gave at concurrency 1: -87 us (4 of 6 rounds lower), -169 us (8 of 8) and -103 us
+(3 of 5; a 1 ms window -122, 5 of 5), and at 8 and 64 in flight x0.97 to x1.06 the calls a
+second. So it is on by default, 2000 us; ``--busy-poll-us 0`` turns it off.
 
 The price: one core at 100 % while calls come less than the window apart; an idle server
 sleeps. While the device's launch thread works (batches under load, captures, warm-up) the loop
