@@ -149,7 +149,7 @@ def _time_pieces(path: str) -> None:
 
     async def timed_sample(self, request, context):
         t = note("parsed to handler", parsed[0])
-        call = ops.SampleCall.from_pb(request, self._service.limits)
+        call = self._call(ops.SampleCall, request)
         t = note("validate", t)
         guard.note_rows(call.rows)
         result = await self._service.batcher.submit(call, timeout=context.time_remaining())

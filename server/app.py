@@ -29,7 +29,7 @@ from .device import DeviceHandle
 from .guard import Guard, GuardedRegistrar, status_for
 from .logs import get_logger, log_event
 from .metrics import Metrics
-from .servicer import LogitServeServicer
+from .servicer import LogitServeServicer, request_parsers
 from .tensors import TORCH_DTYPES
 
 log = get_logger("server")
@@ -86,7 +86,7 @@ class Service:
             ("grpc.max_metadata_size", METADATA_LIMIT_BYTES),
             ("grpc.absolute_max_metadata_size", METADATA_LIMIT_BYTES),
         ])
-        guarded = GuardedRegistrar(self.server, guard)
+        guarded = GuardedRegistrar(self.server, guard, request_parsers())
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
         # What reflection.enable_server_reflection does for a grpc.aio server, through the guard.

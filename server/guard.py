@@ -174,10 +174,11 @@ async def _decoded_stream(requests):
         yield _decoded(request)
 
 
-def _rebuild(handler: grpc.RpcMethodHandler, unary, stream) -> grpc.RpcMethodHandler:
+def _rebuild(handler: grpc.RpcMethodHandler, unary, stream, parse=None) -> grpc.RpcMethodHandler:
     """A handler like ``handler`` whose behaviour is wrapped by the ``unary`` / ``stream``
-    factories and whose requests are parsed tolerantly (:class:`_Undecodable`)."""
-    kw = dict(request_deserializer=_tolerant(handler.request_deserializer),
+    factories and whose requests are parsed tolerantly (:class:`_Undecodable`), by ``parse``
+    when given, else by the handler's own deserializer."""
+    kw = dict(request_deserializer=_tolerant(parse or handler.request_deserializer),
               response_serializer=handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
@@ -205,7 +206,9 @@ class Guard:
         self._tokens = tokens
         self.occupancy = Occupancy()  # calls admitted and not yet finished
 
-    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler, parse=None) -> grpc.RpcMethodHandler:
+        """``handler`` guarded; ``parse``, when given, deserializes its requests instead of the
+        handler's own deserializer."""
         rpc = method.rsplit("/", 1)[-1]
         exempt = method.startswith(HEALTH_PREFIX)
         tokens = None if exempt else self._tokens
@@ -273,7 +276,7 @@ class Guard:
                     self._finish(record, t0)
             return wrapped
 
-        return _rebuild(handler, unary, stream)
+        return _rebuild(handler, unary, stream, parse)
 
     def _finish(self, record: CallRecord, t0: float) -> None:
         if record.counted:
@@ -293,32 +296,36 @@ class Guard:
 class _GuardedGenericHandler(grpc.GenericRpcHandler):
     """A generic handler whose method handlers are wrapped by ``guard`` (once per method)."""
 
-    def __init__(self, inner: grpc.GenericRpcHandler, guard: Guard):
-        self._inner, self._guard = inner, guard
+    def __init__(self, inner: grpc.GenericRpcHandler, guard: Guard, parsers: dict):
+        self._inner, self._guard, self._parsers = inner, guard, parsers
         self._by_method: dict[str, grpc.RpcMethodHandler | None] = {}
 
     def service(self, handler_call_details):
         method = handler_call_details.method
         if method not in self._by_method:
             handler = self._inner.service(handler_call_details)
-            self._by_method[method] = None if handler is None else self._guard.wrap(method, handler)
+            self._by_method[method] = (None if handler is None
+                                       else self._guard.wrap(method, handler, self._parsers.get(method)))
         return self._by_method[method]
 
 
 class GuardedRegistrar:
     """Passed as the server to a generated ``add_*_to_server`` (or to
     ``reflection.enable_server_reflection``): registers every handler on ``server`` wrapped by
-    ``guard``::
+    ``guard``, with the request deserializers ``parsers`` names (by method path) instead of the
+    generated ones::
 
         pb_grpc.add_LogitServeServicer_to_server(servicer, GuardedRegistrar(server, guard))
     """
 
-    def __init__(self, server: grpc.aio.Server, guard: Guard):
-        self._server, self._guard = server, guard
+    def __init__(self, server: grpc.aio.Server, guard: Guard, parsers: dict | None = None):
+        self._server, self._guard, self._parsers = server, guard, parsers or {}
 
     def add_generic_rpc_handlers(self, handlers) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_GuardedGenericHandler(h, self._guard) for h in handlers))
+        self._server.add_generic_rpc_handlers(
+            tuple(_GuardedGenericHandler(h, self._guard, self._parsers) for h in handlers))
 
     def add_registered_method_handlers(self, service: str, method_handlers: dict) -> None:
-        self._server.add_registered_method_handlers(
-            service, {name: self._guard.wrap(f"/{service}/{name}", h) for name, h in method_handlers.items()})
+        self._server.add_registered_method_handlers(service, {
+            name: self._guard.wrap(f"/{service}/{name}", h, self._parsers.get(f"/{service}/{name}"))
+            for name, h in method_handlers.items()})

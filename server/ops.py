@@ -16,7 +16,7 @@ import math
 import secrets
 import struct
 from dataclasses import dataclass
-from typing import Union
+from typing import Mapping, Union
 
 import numpy as np
 import torch
@@ -28,7 +28,8 @@ from logitserve.v1 import logitserve_pb2 as pb
 from .device import Wait
 from .errors import TooLarge
 from .staging import Staging, to_host
-from .tensors import FLOATS, INTS, PB_DTYPES, HostTensor, decode, field, from_array, from_torch, rows_values, set_values
+from .tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, decode, from_array, from_torch, rows_values,
+                      set_values, tensor_field)
 
 MAX_RANK = 8
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -193,8 +194,9 @@ class SampleCall:
     op = "sample"
 
     @classmethod
-    def from_pb(cls, msg: pb.SampleRequest, limits: Limits, path: str = "") -> "SampleCall":
-        logits = decode(field(msg, "logits", path), f"{path}logits", dtypes=FLOATS, ranks=(2,))
+    def from_pb(cls, msg: pb.SampleRequest, limits: Limits, path: str = "",
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE) -> "SampleCall":
+        logits = tensor_field(msg, "logits", path, in_place, dtypes=FLOATS, ranks=(2,))
         rows, vocab = logits.shape
         limits.check(f"{path}logits", rows, vocab)
         if msg.filter_order not in FILTER_ORDERS:
@@ -293,8 +295,9 @@ class RouteExpertsCall:
     op = "route_experts"
 
     @classmethod
-    def from_pb(cls, msg: pb.RouteExpertsRequest, limits: Limits, path: str = "") -> "RouteExpertsCall":
-        g = decode(field(msg, "gate_logits", path), f"{path}gate_logits", dtypes=ROUTE_DTYPES, ranks=(2,))
+    def from_pb(cls, msg: pb.RouteExpertsRequest, limits: Limits, path: str = "",
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE) -> "RouteExpertsCall":
+        g = tensor_field(msg, "gate_logits", path, in_place, dtypes=ROUTE_DTYPES, ranks=(2,))
         limits.check(f"{path}gate_logits", g.shape[0], g.shape[1])
         experts = g.shape[1]
         if experts > MAX_EXPERTS:
@@ -378,8 +381,9 @@ class SoftmaxCall(_LaunchedOnThread):
     op = "softmax"
 
     @classmethod
-    def from_pb(cls, msg: pb.SoftmaxRequest, limits: Limits, path: str = "") -> "SoftmaxCall":
-        x = decode(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=tuple(range(1, MAX_RANK + 1)))
+    def from_pb(cls, msg: pb.SoftmaxRequest, limits: Limits, path: str = "",
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE) -> "SoftmaxCall":
+        x = tensor_field(msg, "x", path, in_place, dtypes=FLOATS, ranks=tuple(range(1, MAX_RANK + 1)))
         dim = msg.dim if msg.HasField("dim") else -1
         if not -x.ndim <= dim < x.ndim:
             raise ValueError(f"{path}dim: must be in [{-x.ndim}, {x.ndim}) for a rank-{x.ndim} x, got {dim}")
@@ -418,8 +422,9 @@ class CausalSoftmaxCall(_LaunchedOnThread):
     op = "causal_softmax"
 
     @classmethod
-    def from_pb(cls, msg: pb.CausalSoftmaxRequest, limits: Limits, path: str = "") -> "CausalSoftmaxCall":
-        x = decode(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=(2, 3))
+    def from_pb(cls, msg: pb.CausalSoftmaxRequest, limits: Limits, path: str = "",
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE) -> "CausalSoftmaxCall":
+        x = tensor_field(msg, "x", path, in_place, dtypes=FLOATS, ranks=(2, 3))
         s, t = x.shape[-2:]
         if t < s:
             raise ValueError(f"{path}x.shape: needs T >= S (every row sees a column), got S = {s}, T = {t}")
@@ -454,13 +459,14 @@ class SiluCall(_LaunchedOnThread):
     op = "silu"
 
     @classmethod
-    def from_pb(cls, msg: pb.SiluRequest, limits: Limits, path: str = "") -> "SiluCall":
+    def from_pb(cls, msg: pb.SiluRequest, limits: Limits, path: str = "",
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE) -> "SiluCall":
         ranks = tuple(range(1, MAX_RANK + 1))
-        x = decode(field(msg, "x", path), f"{path}x", dtypes=FLOATS, ranks=ranks)
+        x = tensor_field(msg, "x", path, in_place, dtypes=FLOATS, ranks=ranks)
         up = None
         shape = tuple(x.shape)
         if msg.HasField("up"):
-            up = decode(msg.up, f"{path}up", dtypes=FLOATS, ranks=ranks)
+            up = decode(msg.up, f"{path}up", dtypes=FLOATS, ranks=ranks, data=in_place.get("up"))
             if up.dtype != x.dtype:
                 raise TypeError(f"{path}up.dtype: must match x.dtype ({x.dtype}), got {up.dtype}".replace("torch.", ""))
             try:

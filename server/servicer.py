@@ -1,10 +1,15 @@
 """The LogitServe servicer: each handler validates into a call (ops), submits it to the batcher
 and answers with its result. Errors are raised, never set here: guard.py maps them.
+
+The operator RPCs' requests arrive read by :func:`request_parsers`' deserializers, their tensors'
+bytes left where gRPC received them (wire.py): a handler gets a :class:`~.wire.Received`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from typing import Callable
 
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
@@ -12,6 +17,29 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 from . import ops
 from .errors import Draining
 from .guard import note_rows
+from .wire import Received, read_in_place
+
+SERVICE = pb.DESCRIPTOR.services_by_name["LogitServe"]
+# Each operator RPC's tensor fields, read in place (Step's tensors are nested: parsed as usual).
+_TENSORS_IN_PLACE = {
+    "Sample": ("logits",),
+    "RouteExperts": ("gate_logits",),
+    "Softmax": ("x",),
+    "CausalSoftmax": ("x",),
+    "Silu": ("x", "up"),
+}
+
+
+def request_parsers() -> dict[str, Callable[[bytes], Received]]:
+    """The operator RPCs' request deserializers, by method path (``/logitserve.v1.LogitServe/Sample``)."""
+    parsers = {}
+    for name, fields in _TENSORS_IN_PLACE.items():
+        message = SERVICE.methods_by_name[name].input_type
+        request_type = getattr(pb, message.name)
+        numbers = {f: message.fields_by_name[f].number for f in fields}
+        parsers[f"/{SERVICE.full_name}/{name}"] = functools.partial(
+            read_in_place, parse=request_type.FromString, tensors=numbers)
+    return parsers
 
 
 async def _all(aws: dict[str, object]) -> dict[str, object]:
@@ -32,25 +60,28 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     def __init__(self, service):
         self._service = service
 
+    def _call(self, op, request: Received):
+        return op.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes)
+
     async def _run(self, call, context):
         note_rows(call.rows)
         result = await self._service.batcher.submit(call, timeout=context.time_remaining())
         return result.to_pb()
 
-    async def Sample(self, request, context):
-        return await self._run(ops.SampleCall.from_pb(request, self._service.limits), context)
+    async def Sample(self, request: Received, context):
+        return await self._run(self._call(ops.SampleCall, request), context)
 
-    async def RouteExperts(self, request, context):
-        return await self._run(ops.RouteExpertsCall.from_pb(request, self._service.limits), context)
+    async def RouteExperts(self, request: Received, context):
+        return await self._run(self._call(ops.RouteExpertsCall, request), context)
 
-    async def Softmax(self, request, context):
-        return await self._run(ops.SoftmaxCall.from_pb(request, self._service.limits), context)
+    async def Softmax(self, request: Received, context):
+        return await self._run(self._call(ops.SoftmaxCall, request), context)
 
-    async def CausalSoftmax(self, request, context):
-        return await self._run(ops.CausalSoftmaxCall.from_pb(request, self._service.limits), context)
+    async def CausalSoftmax(self, request: Received, context):
+        return await self._run(self._call(ops.CausalSoftmaxCall, request), context)
 
-    async def Silu(self, request, context):
-        return await self._run(ops.SiluCall.from_pb(request, self._service.limits), context)
+    async def Silu(self, request: Received, context):
+        return await self._run(self._call(ops.SiluCall, request), context)
 
     async def _step(self, request, context) -> pb.StepResponse:
         step = ops.StepCall.from_pb(request, self._service.limits)

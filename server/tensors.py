@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 import struct
+import types
 import warnings
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -43,6 +45,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# No tensor bytes read in place: every Tensor field reads its own data.
+NOT_IN_PLACE: Mapping[str, memoryview] = types.MappingProxyType({})
+
+
 def field(message, name: str, path: str = "") -> pb.Tensor:
     """The Tensor field ``name`` of ``message``; ``ValueError`` when it is not set."""
     if not message.HasField(name):
@@ -54,11 +60,12 @@ def field(message, name: str, path: str = "") -> pb.Tensor:
 class HostTensor:
     """A checked tensor as it arrived: C-order little-endian ``data``, ``dtype`` and ``shape``.
 
-    Shape arithmetic and :meth:`reshape` need no torch; :meth:`torch` makes the CPU tensor
-    viewing the bytes (on the launch thread), and :class:`~.staging.Staging` copies the bytes.
+    ``data`` is bytes, or a read-only view of the request's bytes (server/wire.py). Shape
+    arithmetic and :meth:`reshape` need no torch; :meth:`torch` makes the CPU tensor viewing the
+    bytes (on the launch thread), and :class:`~.staging.Staging` copies the bytes.
     """
 
-    data: bytes
+    data: bytes | memoryview
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -100,10 +107,12 @@ class HostTensor:
         return list(struct.unpack(f"<{self.numel()}{_STRUCT_CODES[self.dtype]}", self.data))
 
 
-def decode(msg: pb.Tensor, name: str, *, dtypes: tuple[torch.dtype, ...], ranks: tuple[int, ...]) -> HostTensor:
+def decode(msg: pb.Tensor, name: str, *, dtypes: tuple[torch.dtype, ...], ranks: tuple[int, ...],
+           data: memoryview | None = None) -> HostTensor:
     """Check ``msg`` (the field called ``name``) and return it as a :class:`HostTensor`.
 
-    ``dtypes`` and ``ranks`` are what the field accepts.
+    ``dtypes`` and ``ranks`` are what the field accepts; ``data``, when given, is the field's
+    bytes as read in place from the request (server/wire.py), ``msg.data`` being empty.
     """
     if msg.dtype == pb.DTYPE_UNSPECIFIED:
         raise ValueError(f"{name}.dtype: not set (DTYPE_UNSPECIFIED)")
@@ -121,10 +130,18 @@ def decode(msg: pb.Tensor, name: str, *, dtypes: tuple[torch.dtype, ...], ranks:
         if size < 1:
             raise ValueError(f"{name}.shape: dimension {axis} is {size}; sizes must be >= 1 (no empty tensors)")
     need = math.prod(shape) * dtype.itemsize
-    data = msg.data  # each read of a bytes field makes a new bytes object: read it once
+    if data is None:
+        data = msg.data  # each read of a bytes field makes a new bytes object: read it once
     if len(data) != need:
         raise ValueError(f"{name}.data: {len(data)} bytes, but shape {list(shape)} of {dtype_name(dtype)} needs {need}")
     return HostTensor(data, dtype, shape)
+
+
+def tensor_field(message, name: str, path: str, in_place: Mapping[str, memoryview], *,
+                 dtypes: tuple[torch.dtype, ...], ranks: tuple[int, ...]) -> HostTensor:
+    """The required Tensor field ``name`` of ``message``, checked by :func:`decode`; its bytes
+    from ``in_place`` when the request was read with them in place (server/wire.py)."""
+    return decode(field(message, name, path), f"{path}{name}", dtypes=dtypes, ranks=ranks, data=in_place.get(name))
 
 
 def from_torch(t: torch.Tensor) -> pb.Tensor:
