@@ -31,7 +31,8 @@ many rounds it was faster.
 - ``busyN``: ``--busy-poll-us N`` (the event loop polls N us before it sleeps; the server's
   default is 0, no polling);
 - ``timed``: times a Sample call's pieces inside the server (parse, parsed to handler, validate,
-  submit, of which the graph's stage, replay, and start and wait, reply, the whole handler) and
+  submit, of which run_batch, of which the device's launch, of which the graph's start and wait
+  (stage, replay), reply, the whole handler) and
   writes their medians to ``$LOGITSERVE_TIMED_DIR/<variant>.json`` when the server exits; run it
   at concurrency 1 (the handler replaces Sample's, and a loaded server mixes the paths).
 
@@ -175,6 +176,19 @@ def _time_pieces(path: str) -> None:
         await replay_on_loop(self, graph, stage, spin)
         note("start and wait", t0)
     device.DeviceHandle._replay_on_loop = timed_replay_on_loop
+
+    def timed_coroutine(cls, name: str, piece: str, static: bool = False) -> None:
+        inner = getattr(cls, name)
+
+        @functools.wraps(inner)
+        async def timed(*args, **kwargs):
+            t0 = clock()
+            result = await inner(*args, **kwargs)
+            note(piece, t0)
+            return result
+        setattr(cls, name, staticmethod(timed) if static else timed)
+    timed_coroutine(ops.SampleCall, "run_batch", "run_batch", static=True)
+    timed_coroutine(device.DeviceHandle, "launch", "launch")
 
     def write() -> None:
         medians = {k: statistics.median(v) / 1e3 for k, v in spans.items()}
