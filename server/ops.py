@@ -522,6 +522,12 @@ STEP_OPS = {
 }
 
 
+def _within(in_place: Mapping[str, memoryview], name: str) -> Mapping[str, memoryview]:
+    """The entries of ``in_place`` inside the sub-message ``name``, by their names there."""
+    prefix = name + "."
+    return {k[len(prefix):]: v for k, v in in_place.items() if k.startswith(prefix)}
+
+
 @dataclass
 class StepCall:
     """The operators one StepRequest names, each a call of its own (they batch independently)."""
@@ -530,8 +536,10 @@ class StepCall:
     calls: dict[str, object]
 
     @classmethod
-    def from_pb(cls, msg: pb.StepRequest, limits: Limits) -> "StepCall":
-        calls = {name: op.from_pb(getattr(msg, name), limits, path=f"{name}.")
+    def from_pb(cls, msg: pb.StepRequest, limits: Limits,
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE) -> "StepCall":
+        """``in_place``: tensor bytes read in place, by dotted name (``sample.logits``)."""
+        calls = {name: op.from_pb(getattr(msg, name), limits, path=f"{name}.", in_place=_within(in_place, name))
                  for name, op in STEP_OPS.items() if msg.HasField(name)}
         if not calls:
             raise ValueError(f"step: sets none of {', '.join(STEP_OPS)}")

@@ -8,7 +8,6 @@ bytes left where gRPC received them (wire.py): a handler gets a :class:`~.wire.R
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import Callable
 
 from logitserve.v1 import logitserve_pb2 as pb
@@ -17,28 +16,38 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 from . import ops
 from .errors import Draining
 from .guard import note_rows
-from .wire import Received, read_in_place
+from .wire import InPlaceReader, Received
 
 SERVICE = pb.DESCRIPTOR.services_by_name["LogitServe"]
-# Each operator RPC's tensor fields, read in place (Step's tensors are nested: parsed as usual).
-_TENSORS_IN_PLACE = {
-    "Sample": ("logits",),
-    "RouteExperts": ("gate_logits",),
-    "Softmax": ("x",),
-    "CausalSoftmax": ("x",),
-    "Silu": ("x", "up"),
+# Each operator request's tensor fields, read in place.
+_TENSORS = {
+    pb.SampleRequest: ("logits",),
+    pb.RouteExpertsRequest: ("gate_logits",),
+    pb.SoftmaxRequest: ("x",),
+    pb.CausalSoftmaxRequest: ("x",),
+    pb.SiluRequest: ("x", "up"),
 }
 
 
+def _tensor_paths(request_type) -> dict[str, tuple[int, ...]]:
+    """The tensor fields of ``request_type`` to read in place: dotted name -> field numbers."""
+    fields = request_type.DESCRIPTOR.fields_by_name
+    if request_type is pb.StepRequest:  # each operator's request, one level down
+        return {f"{step_field}.{name}": (fields[step_field].number, *path)
+                for step_field in ops.STEP_OPS
+                for name, path in _tensor_paths(getattr(pb, fields[step_field].message_type.name)).items()}
+    return {name: (fields[name].number,) for name in _TENSORS[request_type]}
+
+
 def request_parsers() -> dict[str, Callable[[bytes], Received]]:
-    """The operator RPCs' request deserializers, by method path (``/logitserve.v1.LogitServe/Sample``)."""
+    """The request deserializers of every RPC that carries tensors, by method path
+    (``/logitserve.v1.LogitServe/Sample``)."""
     parsers = {}
-    for name, fields in _TENSORS_IN_PLACE.items():
-        message = SERVICE.methods_by_name[name].input_type
-        request_type = getattr(pb, message.name)
-        numbers = {f: message.fields_by_name[f].number for f in fields}
-        parsers[f"/{SERVICE.full_name}/{name}"] = functools.partial(
-            read_in_place, parse=request_type.FromString, tensors=numbers)
+    for method in SERVICE.methods:
+        request_type = getattr(pb, method.input_type.name)
+        if request_type in _TENSORS or request_type is pb.StepRequest:
+            parsers[f"/{SERVICE.full_name}/{method.name}"] = InPlaceReader(request_type.FromString,
+                                                                           _tensor_paths(request_type))
     return parsers
 
 
@@ -83,8 +92,8 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     async def Silu(self, request: Received, context):
         return await self._run(self._call(ops.SiluCall, request), context)
 
-    async def _step(self, request, context) -> pb.StepResponse:
-        step = ops.StepCall.from_pb(request, self._service.limits)
+    async def _step(self, request: Received, context) -> pb.StepResponse:
+        step = ops.StepCall.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes)
         note_rows(step.rows)
         timeout = context.time_remaining()
         submits = {name: self._service.batcher.submit(call, timeout=timeout) for name, call in step.calls.items()}
