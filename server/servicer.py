@@ -1,8 +1,9 @@
 """The LogitServe servicer: each handler validates into a call (ops), submits it to the batcher
 and answers with its result. Errors are raised, never set here: guard.py maps them.
 
-The operator RPCs' requests arrive read by :func:`request_parsers`' deserializers, their tensors'
-bytes left where gRPC received them (wire.py): a handler gets a :class:`~.wire.Received`.
+The requests of the RPCs that carry tensors (the operators, Step, StreamSteps) arrive read by
+:func:`request_parsers`' deserializers, their tensors' bytes left where gRPC received them
+(wire.py): those handlers get a :class:`~.wire.Received`.
 """
 
 from __future__ import annotations
