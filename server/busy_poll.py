@@ -20,7 +20,8 @@ the last 50 ms, server/guard.py), under load it sleeps as before, and three runs
 host (2026-11-24, ``python -m bench.service_ablation``, 5 to 8 rounds, the server's own code
 otherwise) gave at concurrency 1: -87 us (4 of 6 rounds lower), -169 us (8 of 8) and -103 us
 (3 of 5; a 1 ms window -122, 5 of 5), and at 8 and 64 in flight x0.97 to x1.06 the calls a
-second. So it is on by default, 2000 us; ``--busy-poll-us 0`` turns it off.
+second. A fourth run, after the default changed (20 rounds), gave -61 us (14 of 20). So it is
+on by default, 2000 us; ``--busy-poll-us 0`` turns it off.
 
 The price: one core at 100 % while calls come less than the window apart; an idle server
 sleeps. While the device's launch thread works (batches under load, captures, warm-up) the loop

@@ -67,8 +67,8 @@ class ServerConfig:
     metrics_port: int = 0
     # How long the event loop polls for the next call before it sleeps, in us (server/busy_poll.py);
     # 0: it sleeps at once. Only while the server serves a lone client (no overlapping calls for
-    # 50 ms), so a loaded server sleeps as before. On the H100 host it took 87-169 us off a lone
-    # Sample call's p50 in three runs, with load throughput within +-6 % (busy_poll.py).
+    # 50 ms), so a loaded server sleeps as before. On the H100 host it took 61-169 us off a lone
+    # Sample call's p50 in four runs, with load throughput within +-6 % (busy_poll.py).
     busy_poll_us: int = 2000
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0
