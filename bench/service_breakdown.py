@@ -5,7 +5,8 @@
 
 Runs the server's own code on the request bytes ``bench.service`` sends, without gRPC:
 
-- ``parse``: ``SampleRequest.FromString`` (protobuf), per request;
+- ``parse``: the server's deserializer of the method (its tensors read in place, server/wire.py),
+  per request;
 - ``validate``: ``ops.SampleCall.from_pb``: checks, no copy of the logits, per request;
 - ``launch``: ``run_batch`` of B requests on an event loop, as the server runs it: on CUDA
   the batch's graph replay, spun for on the loop for B = 1 (a call that finds the server idle)
@@ -16,7 +17,8 @@ Runs the server's own code on the request bytes ``bench.service`` sends, without
 
 ``per request`` adds the per-request pieces and the per-launch pieces divided by B: the
 server's work per call at batch B, queueing and transport excluded (``bench.service`` reports
-those: its ``queue mean us`` and the echo server's latency). Medians over ``--repeat`` runs
+those: its ``queue mean us`` and the echo server's latency). ``--pause-us`` sleeps before each
+timed run, as a server idles between one client's calls. Medians over ``--repeat`` runs
 (or ``--max-seconds`` per piece). ``other load`` is the CPU other processes used meanwhile, as
 a share of the machine; ``--retries`` measures a disturbed row again and keeps the least
 disturbed.
@@ -39,54 +41,58 @@ import torch
 
 from logitserve.server import ops
 from logitserve.server.device import DeviceHandle, Wait
-from logitserve.v1 import logitserve_pb2 as pb
+from logitserve.server.servicer import request_parsers
 
 from .service import OtherLoad, Payload, payloads
 
 PIECES = ("parse", "validate", "launch", "reply")
 PER_LAUNCH = ("launch",)
-OPS = {
-    "Sample": (pb.SampleRequest, ops.SampleCall),
-    "RouteExperts": (pb.RouteExpertsRequest, ops.RouteExpertsCall),
-}
+OPS = {"Sample": ops.SampleCall, "RouteExperts": ops.RouteExpertsCall}
 
 
-def median_us(fn: Callable[[], object], repeat: int, max_seconds: float, warmup: int = 3) -> float:
+def median_us(fn: Callable[[], object], repeat: int, max_seconds: float, pause_s: float = 0.0,
+              warmup: int = 3) -> float:
+    """Median time of ``fn()`` in us, each run after a sleep of ``pause_s`` (0: back to back)."""
     for _ in range(warmup):
         fn()
     times = []
     deadline = time.perf_counter() + max_seconds
     while len(times) < repeat and (len(times) < 3 or time.perf_counter() < deadline):
+        if pause_s:
+            time.sleep(pause_s)
         t0 = time.perf_counter_ns()
         fn()
         times.append((time.perf_counter_ns() - t0) / 1e3)
     return statistics.median(times)
 
 
-def launch_us(call_type, calls: list, handle: DeviceHandle, repeat: int, max_seconds: float) -> float:
+def launch_us(call_type, calls: list, handle: DeviceHandle, repeat: int, max_seconds: float, pause_s: float) -> float:
     """Median time of ``run_batch(calls)`` on an event loop, in us."""
     loop = asyncio.new_event_loop()
     try:
         wait = Wait.SPIN if len(calls) == 1 else Wait.THREAD  # as an idle server's lone call, or under load
         return median_us(lambda: loop.run_until_complete(call_type.run_batch(calls, handle, wait=wait)),
-                         repeat, max_seconds)
+                         repeat, max_seconds, pause_s)
     finally:
         loop.close()
 
 
 def measure(payload: Payload, batch: int, handle: DeviceHandle, args) -> dict[str, float]:
     rpc = payload.method.rsplit("/", 1)[-1]
-    request_type, call_type = OPS[rpc]
+    call_type = OPS[rpc]
+    parse = request_parsers()[payload.method]
     limits = ops.Limits(max_rows=1 << 20, max_vocab=1 << 20)
     raws = [payload.requests[i % len(payload.requests)] for i in range(batch)]
-    messages = [request_type.FromString(raw) for raw in raws]
-    calls = [call_type.from_pb(m, limits) for m in messages]
+    received = [parse(raw) for raw in raws]
+    calls = [call_type.from_pb(r.message, limits, in_place=r.tensor_bytes) for r in received]
     results = asyncio.run(call_type.run_batch(calls, handle))
+    pause_s = args.pause_us * 1e-6
     pieces = {
-        "parse": median_us(lambda: request_type.FromString(raws[0]), args.repeat, args.max_seconds),
-        "validate": median_us(lambda: call_type.from_pb(messages[0], limits), args.repeat, args.max_seconds),
-        "reply": median_us(lambda: results[0].to_pb().SerializeToString(), args.repeat, args.max_seconds),
-        "launch": launch_us(call_type, calls, handle, args.repeat, args.max_seconds),
+        "parse": median_us(lambda: parse(raws[0]), args.repeat, args.max_seconds, pause_s),
+        "validate": median_us(lambda: call_type.from_pb(received[0].message, limits, in_place=received[0].tensor_bytes),
+                              args.repeat, args.max_seconds, pause_s),
+        "reply": median_us(lambda: results[0].to_pb().SerializeToString(), args.repeat, args.max_seconds, pause_s),
+        "launch": launch_us(call_type, calls, handle, args.repeat, args.max_seconds, pause_s),
     }
     pieces["per request"] = sum(pieces[p] / (batch if p in PER_LAUNCH else 1) for p in PIECES)
     return pieces
@@ -112,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     parser.add_argument("--batches", default="1,8,64", help="requests per launch (default 1,8,64)")
     parser.add_argument("--repeat", type=int, default=200, help="runs per piece (median)")
+    parser.add_argument("--pause-us", type=int, default=0,
+                        help="sleep this long before each timed run, as a server between one client's calls "
+                             "(0: back to back)")
     parser.add_argument("--max-seconds", type=float, default=10.0, help="time bound per piece")
     parser.add_argument("--payloads", default="", help="comma-separated substrings selecting payloads")
     parser.add_argument("--retries", type=int, default=0,
