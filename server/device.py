@@ -6,7 +6,9 @@ loop goes on receiving calls; they join the next launch, so batches grow with lo
 launches go to the handle's own stream.
 
 A Sample or RouteExperts batch replays a CUDA graph (server/graphs.py) when its graph is
-captured: one byte copy and one replay call, which return at once. How the replay is waited for
+captured: one byte copy and one replay call, which return at once. A batch of one call whose rows
+fill a captured graph (:meth:`DeviceHandle.replay_alone`) is written into the graph's input
+buffer part by part, with no staging built. How the replay is waited for
 is the caller's choice (:class:`Wait`): the batcher has it polled on the event loop
 (``Wait.POLL``) when the batch holds every call in the server: then there is nothing to wait
 for, and the two thread hand-overs are saved; a call that finds the server idle and launches
@@ -47,9 +49,10 @@ import torch
 
 from logitserve import kernels
 
-from .graphs import CapturedLaunch, Launch, LaunchGraphs, bucket_rows
+from .graphs import Launch, LaunchGraphs, bucket_rows
 from .logs import get_logger, log_event
 from .staging import Staging, to_host
+from .tensors import HostTensor
 
 log = get_logger("device")
 
@@ -146,19 +149,36 @@ class DeviceHandle:
                     graph = self.graphs.get(key, bucket)
                     if graph is None:
                         graph = await self.submit(self.graphs.capture, key, bucket, stage, launch)
-                    self.graphs.replays += 1
-                    if wait is Wait.THREAD:
-                        await self.submit(graph.start, stage)  # the thread waits for the stream
-                    else:
-                        await self._replay_on_loop(graph, stage, spin=wait is Wait.SPIN)
+                    await self._replay(graph.start, stage, wait)
                     return graph.outputs(rows)
             return await self.submit(self._launch_eagerly, rows, stage_for, launch)
 
-    async def _replay_on_loop(self, graph: CapturedLaunch, stage: Staging, spin: bool) -> None:
-        """On the event loop: start ``graph`` over ``stage`` and wait until the stream is done,
-        spinning first if ``spin`` (for up to SPIN_LIMIT_S), then polling."""
+    async def replay_alone(self, key, parts: tuple[HostTensor, ...], wait: Wait) -> list[np.ndarray] | None:
+        """:meth:`launch` for a batch of one call whose ``parts`` (its staged pieces, one per part,
+        dim 0 its rows) fill the graph captured for ``key`` at their rows: written straight into
+        the graph's input buffer, with no staging, layout or closures to build. The path of a
+        call that finds the server idle. None when no graph was captured for them (graphs off,
+        rows not a power of two, or not yet replayed): then the call goes through :meth:`launch`."""
+        graph = None if self.graphs is None else self.graphs.get(key, parts[0].shape[0])
+        if graph is None:
+            return None
+        async with self._lock:
+            await self._replay(graph.start_alone, parts, wait)
+            return graph.outputs(parts[0].shape[0])
+
+    async def _replay(self, start: Callable, inputs, wait: Wait) -> None:
+        """``start(inputs)`` queues a graph's replay; wait for it as ``wait`` says."""
+        if wait is Wait.THREAD:
+            await self.submit(start, inputs)  # the thread waits for the stream
+        else:
+            await self._replay_on_loop(start, inputs, spin=wait is Wait.SPIN)
+        self.graphs.replays += 1
+
+    async def _replay_on_loop(self, start: Callable, inputs, spin: bool) -> None:
+        """On the event loop: ``start(inputs)`` and wait until the stream is done, spinning first
+        if ``spin`` (for up to SPIN_LIMIT_S), then polling."""
         self._bind()
-        graph.start(stage)
+        start(inputs)
         try:
             done = self.stream.query()
             if spin:

@@ -22,6 +22,7 @@ inputs and the key (dtype, row width, static options), which is what the ops' ba
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Callable
 
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from .staging import Staging
+from .tensors import HostTensor
 
 # Batches whose staged inputs exceed this launch eagerly: there the copies, not the host calls,
 # take the time, and graphs of that size would pin a lot of memory. 16 MiB is 64 rows of a
@@ -54,6 +56,9 @@ class CapturedLaunch:
         self._stream = stream
         self._host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=True)
         self._host_bytes = memoryview(self._host.numpy())
+        # Each staged part's bytes in the input buffer, for start_alone.
+        self._part_bytes = [self._host_bytes[offset:offset + math.prod(shape) * dtype.itemsize]
+                            for shape, dtype, offset in self.layout]
         self._device = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         inputs = stage.views(self._device)
         # Run once before capturing: it compiles the kernels and builds their plans, which a
@@ -81,6 +86,14 @@ class CapturedLaunch:
         if stage.layout != self.layout:
             raise RuntimeError(f"staged inputs {stage.layout} do not match the captured layout {self.layout}")
         stage.write(self._host_bytes)
+        self._graph.replay()
+
+    def start_alone(self, parts: tuple[HostTensor, ...]) -> None:
+        """:meth:`start` for a batch of one call whose rows fill the bucket: ``parts`` (the call's
+        own pieces, one per staged part) are written straight into their places, with no Staging.
+        A part of another size raises ``ValueError`` before the replay."""
+        for place, part in zip(self._part_bytes, parts, strict=True):
+            place[:] = part.data
         self._graph.replay()
 
     def outputs(self, rows: int) -> list[np.ndarray]:

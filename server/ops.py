@@ -5,13 +5,14 @@ raising ``ValueError`` / ``TypeError`` naming the field, or :class:`TooLarge`), 
 batching ``key`` (calls with equal keys may share a launch; ``None`` never shares) and its
 ``rows``, and launches a list of compatible calls at once with ``await run_batch(calls, handle,
 wait)``, which returns one result per call: Sample and RouteExperts through the device's graph
-replays (:meth:`.device.DeviceHandle.launch`, waited for as ``wait`` says), the others with
-torch on its launch thread. Results turn back
-into messages with ``to_pb``. Protobuf stops here: the kernels only see torch tensors.
+replays (:meth:`.device.DeviceHandle.launch`, waited for as ``wait`` says; a lone call's own
+pieces straight into its captured graph, :meth:`.device.DeviceHandle.replay_alone`), the others
+with torch on its launch thread. Results turn back into messages with ``to_pb``. Protobuf stops here: the kernels only see torch tensors.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 import struct
@@ -28,8 +29,8 @@ from logitserve.v1 import logitserve_pb2 as pb
 from .device import Wait
 from .errors import TooLarge
 from .staging import Staging, to_host
-from .tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, decode, from_array, from_torch, rows_values,
-                      set_values, tensor_field)
+from .tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, decode, from_array, from_torch, pack,
+                      rows_values, set_values, tensor_field)
 
 MAX_RANK = 8
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -156,25 +157,18 @@ def _draw_seeds(rows: int) -> list[int]:
     return [secrets.randbits(SEED_BITS) for _ in range(rows)]
 
 
-# The sampling parameters as the kernels receive them from the server, one value per row:
-# float32 (the precision they compute in; from_pb checks values in it) and int64.
+# The sampling parameters as the kernels receive them from the server, one row of each kind per
+# logits row: float32 (the precision they compute in; from_pb checks values in it) and int64.
 FLOAT_PARAMS = ("temperature", "top_p", "min_p")
 INT_PARAMS = ("top_k", "seed", "step")
 
 
-def _per_row(calls: list["SampleCall"], names: tuple[str, ...], width: int) -> list:
-    """The parameters ``names`` of a batch of calls, each as one value per row padded with zeros
-    to ``width`` values, in C order."""
-    values = []
-    for name in names:
-        for c in calls:
-            v = getattr(c, name)
-            if type(v) is list:
-                values += v
-            else:
-                values += (v,) * c.rows
-        values += (0,) * (-len(values) % width)
-    return values
+def _param_rows(columns: list[Param], rows: int, dtype: torch.dtype) -> HostTensor:
+    """``columns`` (each a scalar or one value per row) as a ``[rows, len(columns)]`` tensor."""
+    if not any(type(c) is list for c in columns):
+        return HostTensor(pack(columns, dtype) * rows, dtype, (rows, len(columns)))
+    per_row = zip(*(c if type(c) is list else (c,) * rows for c in columns))
+    return HostTensor(pack([v for row in per_row for v in row], dtype), dtype, (rows, len(columns)))
 
 
 @dataclass(eq=False)
@@ -232,30 +226,51 @@ class SampleCall:
     def seeds(self) -> list[int]:
         return self.seed if isinstance(self.seed, list) else [self.seed] * self.rows
 
+    @functools.cached_property
+    def params(self) -> tuple[HostTensor, HostTensor]:
+        """The call's parameters as the kernels read them: ``[rows, F]`` float32 (FLOAT_PARAMS, then
+        random_val if given) and ``[rows, 3]`` int64 (INT_PARAMS). Packed once per call, so that
+        staging a batch copies one piece of each kind per call."""
+        floats = [self.temperature, self.top_p, self.min_p]
+        if self.random_val is not None:
+            floats.append(self.random_val)
+        return (_param_rows(floats, self.rows, torch.float32),
+                _param_rows([self.top_k, self.seed, self.step], self.rows, torch.int64))
+
+    @property
+    def parts(self) -> tuple[HostTensor, HostTensor, HostTensor]:
+        """What the launch reads of this call, one piece per staged part: logits, float and int parameters."""
+        return (self.logits, *self.params)
+
     @staticmethod
     async def run_batch(calls: list["SampleCall"], handle, wait: Wait = Wait.THREAD) -> list["SampleResult"]:
-        rows = [c.rows for c in calls]
-        floats = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + ("random_val",)
+        if len(calls) == 1:
+            c = calls[0]
+            tokens = await handle.replay_alone(c.key, c.parts, wait)
+            if tokens is not None:
+                return [SampleResult(tokens[0].tolist(), c.seeds())]
+        rows = [c.logits.shape[0] for c in calls]
+        names = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + ("random_val",)
+        names += INT_PARAMS
         filter_order = calls[0].filter_order
 
         def stage_for(batch_rows: int) -> Staging:
-            stage = Staging()
-            stage.add([c.logits for c in calls], rows=batch_rows)
             # Every parameter goes to the kernel as a per-row tensor, whatever the calls sent: then
             # one compiled variant per (dtype, vocabulary, filter order) serves every batch, and
             # warm-up covers them all. Scalars where a batch happens to agree would pick a variant
             # per mix of scalar and per-row parameters, compiled mid-traffic (seconds per call).
-            # Each parameter's row starts 16-byte aligned whatever the batch size: Triton
-            # specialises on pointer alignment, and a batch size that moved it would compile a
-            # new variant. Padding rows get zeros: a top_p of 0 makes the kernel answer -1 there.
-            width = -(-batch_rows // 4) * 4
-            stage.add_values(_per_row(calls, floats, width), torch.float32, (len(floats), width))
-            stage.add_values(_per_row(calls, INT_PARAMS, width), torch.int64, (len(INT_PARAMS), width))
+            # Each parameter is a column of a row-major [rows, F] part, so its pointer's 16-byte
+            # alignment (which Triton specialises on) is the same for every batch size. Padding
+            # rows get zeros: a top_p of 0 makes the kernel answer -1 there at once.
+            stage = Staging()
+            logits, floats, ints = zip(*(c.parts for c in calls))
+            stage.add(logits, rows=batch_rows)
+            stage.add(floats, rows=batch_rows, zero_padding=True)
+            stage.add(ints, rows=batch_rows, zero_padding=True)
             return stage
 
         def launch(logits, float_rows, int_rows):
-            b = logits.shape[0]
-            params = dict(zip(floats + INT_PARAMS, (*float_rows[:, :b].unbind(), *int_rows[:, :b].unbind())))
+            params = dict(zip(names, (*float_rows.unbind(1), *int_rows.unbind(1))))
             return (kernels.sample(logits, **params, filter_order=filter_order, backend=handle.backend),)
 
         tokens, = await handle.launch(calls[0].key, sum(rows), stage_for, launch, wait=wait)
@@ -319,6 +334,11 @@ class RouteExpertsCall:
     @staticmethod
     async def run_batch(calls: list["RouteExpertsCall"], handle,
                         wait: Wait = Wait.THREAD) -> list["RouteExpertsResult"]:
+        if len(calls) == 1:
+            c = calls[0]
+            outputs = await handle.replay_alone(c.key, (c.gate_logits,), wait)
+            if outputs is not None:
+                return [RouteExpertsResult(*outputs)]
         rows = [c.rows for c in calls]
         k, renormalize = calls[0].k, calls[0].renormalize
 

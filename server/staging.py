@@ -14,9 +14,11 @@ GIL, and in the busy server the launch thread then waits for the event loop to g
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .tensors import HostTensor, pack
+from .tensors import HostTensor
 
 # Every part starts on a 16-byte boundary: Triton specialises on a pointer's 16-byte alignment,
 # so an unaligned part would compile (and warm up) a second kernel.
@@ -28,11 +30,11 @@ def _aligned(n: int) -> int:
 
 
 class Staging:
-    """Host tensors and Python numbers laid out in one buffer; :meth:`to` copies it to a device.
+    """Host tensors laid out in one buffer; :meth:`to` copies it to a device.
 
         stage = Staging()
         stage.add([c.logits for c in calls])                    # one part: the pieces stacked on dim 0
-        stage.add_values([0.8, 1.0, 0.9, 0.9], torch.float32, (2, 2))
+        stage.add([c.params for c in calls], rows=8, zero_padding=True)   # padded to 8 rows
         logits, params = stage.to(device)                       # the parts, in the order added
 
     or, into a buffer that outlives it (a CUDA graph's inputs, server/graphs.py),
@@ -41,27 +43,24 @@ class Staging:
 
     def __init__(self):
         # Each part: the byte strings to write one after the other, shape, dtype, byte offset.
-        self._parts: list[tuple[list, torch.Size, torch.dtype, int]] = []
+        self._parts: list[tuple[list, tuple[int, ...], torch.dtype, int]] = []
         self._size = 0
 
-    def add(self, pieces: list[HostTensor], rows: int | None = None) -> None:
+    def add(self, pieces: list[HostTensor], rows: int | None = None, zero_padding: bool = False) -> None:
         """One part: ``pieces`` (same dtype and trailing shape, rank >= 1) stacked along dim 0.
 
-        ``rows`` (at least the pieces' rows) pads the part to that many: the rows past the pieces
-        are left as the buffer holds them (a padded batch for a CUDA graph of that size).
+        ``rows`` (at least the pieces' rows) pads the part to that many (a padded batch for a
+        CUDA graph of that size): the rows past the pieces are zeros with ``zero_padding``, else
+        left as the buffer holds them.
         """
         first = pieces[0]
         stacked = sum(p.shape[0] for p in pieces)
-        shape = torch.Size((stacked if rows is None else rows, *first.shape[1:]))
-        self._append([p.data for p in pieces], shape, first.dtype)
-
-    def add_values(self, values: list, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        """One part: ``values`` (Python numbers, C order) as a ``dtype`` tensor of ``shape``."""
-        self._append([pack(values, dtype)], torch.Size(shape), dtype)
-
-    def _append(self, chunks: list, shape: torch.Size, dtype: torch.dtype) -> None:
-        self._parts.append((chunks, shape, dtype, self._size))
-        self._size = _aligned(self._size + shape.numel() * dtype.itemsize)
+        shape = (stacked if rows is None else rows, *first.shape[1:])
+        chunks = [p.data for p in pieces]
+        if zero_padding and rows is not None and rows > stacked:
+            chunks.append(bytes((rows - stacked) * math.prod(first.shape[1:]) * first.dtype.itemsize))
+        self._parts.append((chunks, shape, first.dtype, self._size))
+        self._size = _aligned(self._size + math.prod(shape) * first.dtype.itemsize)
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +68,7 @@ class Staging:
         return max(self._size, ALIGN)
 
     @property
-    def layout(self) -> tuple[tuple[torch.Size, torch.dtype, int], ...]:
+    def layout(self) -> tuple[tuple[tuple[int, ...], torch.dtype, int], ...]:
         """Each part's shape, dtype and byte offset: buffers of equal layout take each other's parts."""
         return tuple((shape, dtype, offset) for _, shape, dtype, offset in self._parts)
 
@@ -93,8 +92,8 @@ class Staging:
         return self.views(host.to(device, non_blocking=True) if pinned else host)
 
 
-def _view(buffer: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    return buffer[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+def _view(buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

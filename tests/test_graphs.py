@@ -51,8 +51,10 @@ def _direct(call: SampleCall) -> np.ndarray:
                           random_val=call.random_val, backend="triton").cpu().numpy()
 
 
-# Batches in an order that leaves earlier, larger batches' rows in a bucket's padding.
-SAMPLE_BATCHES = [[20, 20], [17, 16], [1], [3], [2, 3], [1] * 9, [1, 1], [40]]
+# Batches in an order that leaves earlier, larger batches' rows in a bucket's padding; the lone
+# calls of 1 and 2 rows after their bucket's capture are written straight into the graph's buffer
+# (DeviceHandle.replay_alone), over what the earlier batches left there.
+SAMPLE_BATCHES = [[20, 20], [17, 16], [1], [3], [2, 3], [1], [1] * 9, [1, 1], [2], [40], [2], [1]]
 
 
 @pytest.mark.parametrize("wait", list(Wait), ids=[w.value for w in Wait])
@@ -75,10 +77,26 @@ def test_sample_batches_replayed_equal_eager_and_direct(handles, dtype, vocab, o
     assert graphed.graphs.replays - replays == len(SAMPLE_BATCHES)
 
 
+def test_a_lone_call_is_written_into_its_captured_graph(handles):
+    graphed, _ = handles
+    first, again = _sample_calls([1], 4096, torch.bfloat16, seed=4) + _sample_calls([1], 4096, torch.bfloat16, seed=5)
+    asyncio.run(SampleCall.run_batch([first], graphed, wait=Wait.SPIN))  # captures the graph (or finds it)
+    captures, replays = graphed.graphs.captures, graphed.graphs.replays
+    tokens, = asyncio.run(graphed.replay_alone(again.key, again.parts, Wait.SPIN))
+    assert (graphed.graphs.captures, graphed.graphs.replays) == (captures, replays + 1)
+    np.testing.assert_array_equal(tokens, _direct(again))
+    with pytest.raises(ValueError):  # parts that do not fill the graph's: refused before the replay
+        asyncio.run(graphed.replay_alone(again.key, (again.logits, *again.params[:1]), Wait.SPIN))
+    assert graphed.graphs.replays == replays + 1  # nothing was replayed
+    assert asyncio.run(graphed.replay_alone(again.key, _sample_calls([3], 4096, torch.bfloat16, 6)[0].parts,
+                                            Wait.SPIN)) is None  # 3 rows: no graph holds them as they are
+
+
 def test_route_experts_replayed_equal_direct(handles):
     graphed, _ = handles
     g = torch.Generator().manual_seed(7)
-    for sizes, wait in (([64, 64, 7], Wait.THREAD), ([5], Wait.POLL), ([64], Wait.SPIN), ([3], Wait.THREAD)):
+    for sizes, wait in (([64, 64, 7], Wait.THREAD), ([5], Wait.POLL), ([64], Wait.SPIN), ([3], Wait.THREAD),
+                        ([64], Wait.POLL), ([64], Wait.THREAD)):  # the last two: written into the captured graph
         calls = [RouteExpertsCall(HostTensor.of(torch.randn(rows, 256, generator=g).to(torch.bfloat16)), 8, True)
                  for rows in sizes]
         results = asyncio.run(RouteExpertsCall.run_batch(calls, graphed, wait=wait))

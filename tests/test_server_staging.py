@@ -14,7 +14,7 @@ from logitserve.server.tensors import HostTensor
 def _stage(pieces: list[torch.Tensor], values: list[float], rows: int | None = None) -> Staging:
     stage = Staging()
     stage.add([HostTensor.of(p) for p in pieces], rows=rows)
-    stage.add_values(values, torch.float32, (2, len(values) // 2))
+    stage.add([HostTensor.of(torch.tensor(values).reshape(2, -1))])
     return stage
 
 
@@ -40,6 +40,18 @@ def test_padded_part_leaves_its_padding_rows_as_the_buffer_holds_them():
     assert bool((stacked[:2] == 0).all()) and bool((stacked[2:5] == 1).all())  # rows 2..4 from the first batch
     assert bool((stacked[5:].view(torch.uint8) == 0xAB).all())  # never written
     assert bool((values == 7.0).all())
+
+
+def test_zero_padded_part_writes_zeros_past_its_pieces():
+    host = torch.full((256,), 0xAB, dtype=torch.uint8)
+    stage = Staging()
+    stage.add([HostTensor.of(torch.full((2, 3), 5.0)), HostTensor.of(torch.full((1, 3), 6.0))], rows=8,
+              zero_padding=True)
+    stage.write(memoryview(host.numpy()))
+    part, = stage.views(host)
+    assert part.shape == (8, 3)
+    assert bool((part[:2] == 5).all()) and bool((part[2] == 6).all()) and bool((part[3:] == 0).all())
+    assert bool((host[8 * 3 * 4:].view(torch.uint8) == 0xAB).all())  # nothing past the part
 
 
 def test_bucket_rows_is_the_next_power_of_two():
