@@ -23,7 +23,6 @@ the launch, it can raise (a device fault: those calls fail with INTERNAL) or sle
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -75,7 +74,7 @@ class Batcher:
         self.batched_requests = 0  # calls those launches served
         self._groups: dict[object, _Group] = {}
         self._queued = 0
-        self._launching = False  # a launch is under way: see _device_taken
+        self._launching = False  # a launch is under way: see _launch_ended
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._closed = False
@@ -126,28 +125,25 @@ class Batcher:
         """Launch ``call`` alone in the caller's task, its replay waited for by spinning: with the
         graph captured, the handler runs to its answer without yielding to the event loop."""
         self._count_launch([call], queue_seconds=[0.0])
-        with self._device_taken():
-            try:
-                if self.before_launch is not None:
-                    await self.handle.run(self.before_launch, [call])
-                result, = await type(call).run_batch([call], self.handle, wait=Wait.SPIN)
-            except Exception as exc:
-                if self.on_failure is not None:
-                    await self.on_failure(exc)
-                raise
-        return result
-
-    @contextlib.contextmanager
-    def _device_taken(self):
-        """Marks a launch under way (the worker's, or one at once); when it ends, calls that came
-        meanwhile are the worker's to launch."""
         self._launching = True
         try:
-            yield
+            if self.before_launch is not None:
+                await self.handle.run(self.before_launch, [call])
+            result, = await type(call).run_batch([call], self.handle, wait=Wait.SPIN)
+        except Exception as exc:
+            if self.on_failure is not None:
+                await self.on_failure(exc)
+            raise
         finally:
-            self._launching = False
-            if self._groups:
-                self._wakeup.set()
+            self._launch_ended()
+        return result
+
+    def _launch_ended(self) -> None:
+        """A launch (the worker's, or one at once; ``_launching`` marks it under way) has ended:
+        calls that came meanwhile are the worker's to launch."""
+        self._launching = False
+        if self._groups:
+            self._wakeup.set()
 
     def _count_launch(self, calls: list, queue_seconds: list[float]) -> None:
         if self.metrics is not None:
@@ -214,8 +210,11 @@ class Batcher:
                     pass
                 continue
             if batch:
-                with self._device_taken():
+                self._launching = True
+                try:
                     await self._launch(batch, loop)
+                finally:
+                    self._launch_ended()
 
     async def _launch(self, batch: list[_Pending], loop) -> None:
         calls = [p.call for p in batch]

@@ -12,11 +12,10 @@ with torch on its launch thread. Results turn back into messages with ``to_pb``.
 
 from __future__ import annotations
 
-import functools
 import math
 import secrets
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Union
 
 import numpy as np
@@ -165,10 +164,27 @@ INT_PARAMS = ("top_k", "seed", "step")
 
 def _param_rows(columns: list[Param], rows: int, dtype: torch.dtype) -> HostTensor:
     """``columns`` (each a scalar or one value per row) as a ``[rows, len(columns)]`` tensor."""
-    if not any(type(c) is list for c in columns):
+    if list not in map(type, columns):
         return HostTensor(pack(columns, dtype) * rows, dtype, (rows, len(columns)))
     per_row = zip(*(c if type(c) is list else (c,) * rows for c in columns))
     return HostTensor(pack([v for row in per_row for v in row], dtype), dtype, (rows, len(columns)))
+
+
+# The rules of the float parameters, as comparisons only, so that NaN breaks them.
+def _temperature_ok(t):
+    return (t >= 0) & (t < math.inf)
+
+
+def _top_p_ok(p):
+    return (p > 0) & (p <= 1)
+
+
+def _min_p_ok(p):
+    return (p >= 0) & (p <= 1)
+
+
+def _random_val_ok(v):
+    return (v >= 0) & (v < 1)
 
 
 @dataclass(eq=False)
@@ -180,10 +196,14 @@ class SampleCall:
     top_k: Param
     top_p: Param
     min_p: Param
-    seed: Param | list[int]  # a list: the seeds the server drew
+    seed: Param  # the seeds the server drew, when the request set none
     step: Param
     filter_order: str
     random_val: Param | None
+    # The parameters as the kernels read them, packed once: ``[rows, F]`` float32 (FLOAT_PARAMS,
+    # then random_val if given) and ``[rows, 3]`` int64 (INT_PARAMS). Staging a batch then copies
+    # one piece of each kind per call.
+    params: tuple[HostTensor, HostTensor] = field(init=False, repr=False)
 
     op = "sample"
 
@@ -195,24 +215,20 @@ class SampleCall:
         limits.check(f"{path}logits", rows, vocab)
         if msg.filter_order not in FILTER_ORDERS:
             raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
-        finite = "must be finite and "
+        seed = _int_param(msg, "seed", rows, None, 0, path)
         call = cls(
             logits=logits,
-            temperature=_float_param(msg, "temperature", rows, 1.0, lambda t: (t >= 0) & (t < math.inf),
-                                     finite + ">= 0", path),
+            temperature=_float_param(msg, "temperature", rows, 1.0, _temperature_ok, "must be finite and >= 0", path),
             top_k=_int_param(msg, "top_k", rows, 0, 0, path),
-            top_p=_float_param(msg, "top_p", rows, 1.0, lambda t: (t > 0) & (t <= 1), "must be in (0, 1]", path),
-            min_p=_float_param(msg, "min_p", rows, 0.0, lambda t: (t >= 0) & (t <= 1), "must be in [0, 1]", path),
-            seed=_int_param(msg, "seed", rows, None, 0, path),
+            top_p=_float_param(msg, "top_p", rows, 1.0, _top_p_ok, "must be in (0, 1]", path),
+            min_p=_float_param(msg, "min_p", rows, 0.0, _min_p_ok, "must be in [0, 1]", path),
+            seed=_draw_seeds(rows) if seed is None else seed,
             step=_int_param(msg, "step", rows, 0, 0, path),
             filter_order=FILTER_ORDERS[msg.filter_order],
-            random_val=_float_param(msg, "random_val", rows, None, lambda t: (t >= 0) & (t < 1),
-                                    "must be in [0, 1)", path),
+            random_val=_float_param(msg, "random_val", rows, None, _random_val_ok, "must be in [0, 1)", path),
         )
         if call.random_val is not None and _any_nonzero(call.min_p):
             raise ValueError(f"{path}min_p: must be 0 with random_val (InfiniCore's random_sample has no min-p)")
-        if call.seed is None:
-            call.seed = _draw_seeds(rows)
         return call
 
     @property
@@ -226,16 +242,12 @@ class SampleCall:
     def seeds(self) -> list[int]:
         return self.seed if isinstance(self.seed, list) else [self.seed] * self.rows
 
-    @functools.cached_property
-    def params(self) -> tuple[HostTensor, HostTensor]:
-        """The call's parameters as the kernels read them: ``[rows, F]`` float32 (FLOAT_PARAMS, then
-        random_val if given) and ``[rows, 3]`` int64 (INT_PARAMS). Packed once per call, so that
-        staging a batch copies one piece of each kind per call."""
+    def __post_init__(self):
         floats = [self.temperature, self.top_p, self.min_p]
         if self.random_val is not None:
             floats.append(self.random_val)
-        return (_param_rows(floats, self.rows, torch.float32),
-                _param_rows([self.top_k, self.seed, self.step], self.rows, torch.int64))
+        self.params = (_param_rows(floats, self.rows, torch.float32),
+                       _param_rows([self.top_k, self.seed, self.step], self.rows, torch.int64))
 
     @property
     def parts(self) -> tuple[HostTensor, HostTensor, HostTensor]:
