@@ -20,6 +20,8 @@ many rounds it was faster.
 - ``noop``: the whole path (decode, batcher, reply) but the launch returns zeros at once,
   without touching the device;
 - ``full``: the server as it is; ``eager``: with ``--cuda-graphs off``;
+- ``bare``: a Sample handler that skips validation, the batcher and the launch's bookkeeping
+  (:func:`_bare_sample`): how much trimming the handler's Python could gain at most;
 - ``thread`` / ``poll``: every graph replay waited for on the launch thread / polled on the
   event loop (the server polls only a batch that holds every call in the server);
 - ``queued``: every call goes through the batcher's queue (the server launches a lone client's
@@ -101,12 +103,62 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
         batcher.Batcher._has_server_to_itself = lambda self: False
     if "timed" in variants:
         _time_pieces(os.path.join(os.environ["LOGITSERVE_TIMED_DIR"], "+".join(sorted(variants)) + ".json"))
+    if "bare" in variants:
+        _bare_sample(servicer, ops)
     if "uvloop" in variants:
         import uvloop
 
         from logitserve.server import cli
         cli.event_loop_factory = lambda window_us: uvloop.new_event_loop
     return main([*argv, *server_flags(variants)])
+
+
+def _bare_sample(servicer, ops) -> None:
+    """The Sample handler with the least host work a lone bfloat16 call can take: no validation,
+    batcher, lock or result objects; the request's bytes and parameters written straight into the
+    graph captured for one row, replayed, spun for, the answer built while the GPU works. Not a
+    server (it checks almost nothing): the bound on what trimming the handler's Python can gain.
+    Other calls go the ordinary way."""
+    import secrets
+    import struct
+
+    import torch
+
+    from logitserve.v1 import logitserve_pb2 as pb
+
+    floats, ints, int64 = struct.Struct("<3f"), struct.Struct("<3q"), struct.Struct("<q")
+    ordinary = servicer.LogitServeServicer.Sample
+
+    async def bare(self, request, context):
+        msg, handle = request.message, self._service.handle
+        data = request.tensor_bytes.get("logits")
+        graph = None
+        if data is not None and handle.graphs is not None and msg.logits.dtype == pb.DTYPE_BFLOAT16 \
+                and msg.logits.shape[0] == 1 and not msg.HasField("random_val"):
+            graph = handle.graphs.get(("sample", torch.bfloat16, msg.logits.shape[1], "top_k_first", True), 1)
+        if graph is None:
+            return await ordinary(self, request, context)
+        seed = msg.seed if msg.HasField("seed") else secrets.randbits(ops.SEED_BITS)
+        logits_at, floats_at, ints_at = graph._part_bytes
+        logits_at[:] = data
+        floats.pack_into(floats_at, 0, msg.temperature if msg.HasField("temperature") else 1.0,
+                         msg.top_p if msg.HasField("top_p") else 1.0, msg.min_p)
+        ints.pack_into(ints_at, 0, msg.top_k, seed, msg.step)
+        handle._bind()
+        graph._graph.replay()
+        response = pb.SampleResponse()
+        for tensor, dtype in ((response.token_ids, pb.DTYPE_INT64), (response.seeds, pb.DTYPE_INT64),
+                              (response.valid, pb.DTYPE_BOOL)):
+            tensor.dtype = dtype
+            tensor.shape.append(1)
+        response.seeds.data = int64.pack(seed)
+        while not handle.stream.query():
+            pass
+        token = int(graph.outputs(1)[0][0])
+        response.token_ids.data = int64.pack(token)
+        response.valid.data = b"\x01" if token >= 0 else b"\x00"
+        return response
+    servicer.LogitServeServicer.Sample = bare
 
 
 def _time_pieces(path: str) -> None:
@@ -168,12 +220,21 @@ def _time_pieces(path: str) -> None:
         note("replay", t)
     graphs.CapturedLaunch.start = timed_start
 
+    def timed_start_alone(self, parts):
+        t = clock()
+        for place, part in zip(self._part_bytes, parts, strict=True):
+            place[:] = part.data
+        t = note("stage", t)
+        self._graph.replay()
+        note("replay", t)
+    graphs.CapturedLaunch.start_alone = timed_start_alone
+
     replay_on_loop = device.DeviceHandle._replay_on_loop
 
     @functools.wraps(replay_on_loop)
-    async def timed_replay_on_loop(self, graph, stage, spin):
+    async def timed_replay_on_loop(self, start, inputs, spin):
         t0 = clock()
-        await replay_on_loop(self, graph, stage, spin)
+        await replay_on_loop(self, start, inputs, spin)
         note("start and wait", t0)
     device.DeviceHandle._replay_on_loop = timed_replay_on_loop
 
@@ -189,6 +250,7 @@ def _time_pieces(path: str) -> None:
         setattr(cls, name, staticmethod(timed) if static else timed)
     timed_coroutine(ops.SampleCall, "run_batch", "run_batch", static=True)
     timed_coroutine(device.DeviceHandle, "launch", "launch")
+    timed_coroutine(device.DeviceHandle, "replay_alone", "launch")  # a lone call's launch
 
     def write() -> None:
         medians = {k: statistics.median(v) / 1e3 for k, v in spans.items()}
