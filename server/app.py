@@ -105,9 +105,8 @@ class Service:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
         busy_poll_us = 0
-        if isinstance(loop, BusyPollEventLoop):  # `logitserve serve`'s loop
+        if isinstance(loop, BusyPollEventLoop):  # `logitserve serve` with --busy-poll-us
             occupancy = self.batcher.occupancy
-            occupancy.events_waiting = loop.events_waiting
             loop.hold_off_while(lambda: self.handle.thread_busy or not occupancy.serves_a_lone_client())
             busy_poll_us = loop.window_us
         self.batcher.start()

@@ -51,7 +51,7 @@ class BusyPollSelector(selectors.DefaultSelector):
         self.hold_off: Callable[[], bool] = _never
 
     def select(self, timeout=None):
-        if self._window_s == 0 or (timeout is not None and timeout <= 0) or self.hold_off():
+        if (timeout is not None and timeout <= 0) or self.hold_off():
             return super().select(timeout)
         start = time.monotonic()
         until = start + (self._window_s if timeout is None else min(self._window_s, timeout))
@@ -62,15 +62,9 @@ class BusyPollSelector(selectors.DefaultSelector):
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
         return super().select(left)
 
-    def events_waiting(self) -> bool:
-        """Whether a registered file is ready now. Epoll here is level-triggered: looking leaves
-        the events for the loop to handle."""
-        return bool(super().select(0))
-
 
 class BusyPollEventLoop(asyncio.SelectorEventLoop):
-    """An event loop that polls for ``window_us`` before it sleeps (see the module's notes; 0: it
-    sleeps at once, as asyncio's own) and tells whether events wait for it."""
+    """An event loop that polls for ``window_us`` before it sleeps (see the module's notes)."""
 
     def __init__(self, window_us: int):
         self.window_us = window_us
@@ -85,12 +79,9 @@ class BusyPollEventLoop(asyncio.SelectorEventLoop):
         """Whether the loop would sleep at once now."""
         return self._selector_polling.hold_off()
 
-    def events_waiting(self) -> bool:
-        """Whether events (gRPC's calls among them) wait for the loop's next turn: the server asks
-        as a call launched alone ends (guard.Occupancy)."""
-        return self._selector_polling.events_waiting()
-
 
 def event_loop_factory(window_us: int) -> Callable[[], asyncio.AbstractEventLoop]:
-    """A factory of the server's event loops: busy-polling for ``window_us`` (0: never)."""
+    """A factory of the server's event loops: busy-polling for ``window_us`` (0: asyncio's own)."""
+    if window_us == 0:
+        return asyncio.new_event_loop
     return lambda: BusyPollEventLoop(window_us)

@@ -31,7 +31,6 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 import torch
@@ -80,34 +79,20 @@ class CallRecord:
 # overlap seen once keeps the server off the lone-client rules for a while. Launching a call at
 # once in its handler (batcher.py) and busy polling (busy_poll.py) apply only to a lone client:
 # under load both made batches smaller and cost throughput on the H100 host.
-#
-# A call launched at once never yields, so no other call enters while it runs, and gaps between
-# calls alone cannot tell load from a lone client: a loaded server that once fell into launching
-# calls one by one stayed there (H100 host, 64 calls in flight: 1.0-1.1 calls a launch against 4.5
-# before the lone path got fast). So a call that leaves the server empty also looks at the event
-# loop (``events_waiting``, set by the server on its own loop): events already waiting there are
-# gRPC handing over other calls, which a lone client, waiting for this call's answer, never sends.
 LONE_CLIENT_IDLE_S = 300e-6
 LONE_CLIENT_CROWD_S = 0.05
-
-
-def _no_events() -> bool:
-    return False
 
 
 class Occupancy:
     """The calls the server is handling (health checks aside, their Watch streams are long), how
     long it had been empty when the latest call that found it empty arrived, and when it last held
-    more than one call (or saw another on its way: ``events_waiting``)."""
+    more than one call."""
 
     def __init__(self) -> None:
         self.calls = 0
         self.idle_before = 0.0  # seconds
         self.crowded_at = -math.inf  # time.monotonic()
         self._empty_since = time.monotonic()
-        # Whether the event loop has events waiting (busy_poll.BusyPollEventLoop.events_waiting);
-        # the server sets it when it runs on such a loop.
-        self.events_waiting: Callable[[], bool] = _no_events
 
     def enter(self) -> None:
         now = time.monotonic()
@@ -121,8 +106,6 @@ class Occupancy:
         self.calls -= 1
         if self.calls == 0:
             self._empty_since = time.monotonic()
-            if self.events_waiting():  # other calls on their way in: see LONE_CLIENT_IDLE_S
-                self.crowded_at = self._empty_since
 
     def serves_a_lone_client(self) -> bool:
         """Whether the latest call came after LONE_CLIENT_IDLE_S of idleness and no two calls

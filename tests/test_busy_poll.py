@@ -1,6 +1,5 @@
 """The busy-polling event loop (--busy-poll-us): it answers events inside and after its window,
-honours timeouts, sleeps while the server's launch thread works or no lone client calls, and tells
-whether events wait for it (without taking them)."""
+honours timeouts, and sleeps while the server's launch thread works or no lone client calls."""
 
 import asyncio
 import socket
@@ -53,21 +52,6 @@ def test_loops_made_by_the_factory_run_coroutines_and_timers():
             assert runner.run(main()) == 7
 
 
-def test_looking_for_waiting_events_leaves_them_for_the_loop():
-    reader, writer = socket.socketpair()
-    for window_s in (0.0, 0.01):
-        with BusyPollSelector(window_s) as selector:
-            selector.register(reader, 1)
-            assert not selector.events_waiting()
-            writer.send(b"x")
-            assert selector.events_waiting() and selector.events_waiting()  # looked at twice, still there
-            assert [key.fileobj for key, _ in selector.select(0)] == [reader]
-            reader.recv(1)
-            assert not selector.events_waiting()
-    reader.close()
-    writer.close()
-
-
 def _cpu_seconds_of_select(selector, timeout: float) -> float:
     reader, writer = socket.socketpair()
     with reader, writer:
@@ -95,7 +79,6 @@ def test_server_polls_only_for_a_lone_client_and_not_while_its_launch_thread_wor
         try:
             hold_off = asyncio.get_running_loop().holding_off
             occupancy = service.batcher.occupancy
-            assert occupancy.events_waiting == asyncio.get_running_loop().events_waiting
             assert hold_off()  # no call yet: nothing says a lone client calls
             occupancy.idle_before = LONE_CLIENT_IDLE_S  # a call after an idle gap, as a lone client's come
             assert not hold_off()

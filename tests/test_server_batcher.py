@@ -87,28 +87,6 @@ def test_occupancy_counts_calls_and_times_idleness_and_crowding():
     assert o.serves_a_lone_client()
 
 
-def test_a_call_leaving_with_other_calls_waiting_on_the_loop_marks_load():
-    # Calls launched one by one never overlap in the server; events waiting on the loop as one
-    # leaves are gRPC handing over the next: load, not a lone client, whatever the gap before it.
-    waiting, looks = False, []
-    o = Occupancy()
-    o.events_waiting = lambda: looks.append(1) or waiting
-    o.enter()
-    o.leave()  # a lone client's call: nothing else on its way
-    time.sleep(LONE_CLIENT_IDLE_S * 2)
-    o.enter()
-    assert o.crowded_at == -float("inf") and o.serves_a_lone_client()
-    waiting = True
-    before = time.monotonic()
-    o.leave()
-    time.sleep(LONE_CLIENT_IDLE_S * 2)
-    o.enter()
-    assert o.crowded_at >= before and not o.serves_a_lone_client()
-    o.enter()
-    o.leave()  # not the last call out: the loop is looked at only as the server empties
-    assert o.calls == 1 and len(looks) == 2
-
-
 def occupancy(calls: int, idle_before: float = 0.0, crowded_ago: float = 1.0) -> Occupancy:
     o = Occupancy()
     o.calls, o.idle_before, o.crowded_at = calls, idle_before, time.monotonic() - crowded_ago
