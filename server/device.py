@@ -159,12 +159,13 @@ class DeviceHandle:
         the graph's input buffer, with no staging, layout or closures to build. The path of a
         call that finds the server idle. None when no graph was captured for them (graphs off,
         rows not a power of two, or not yet replayed): then the call goes through :meth:`launch`."""
-        graph = None if self.graphs is None else self.graphs.get(key, parts[0].shape[0])
+        rows = parts[0].shape[0]
+        graph = None if self.graphs is None else self.graphs.get(key, rows)
         if graph is None:
             return None
         async with self._lock:
             await self._replay(graph.start_alone, parts, wait)
-            return graph.outputs(parts[0].shape[0])
+            return graph.outputs(rows)
 
     async def _replay(self, start: Callable, inputs, wait: Wait) -> None:
         """``start(inputs)`` queues a graph's replay; wait for it as ``wait`` says."""

@@ -7,7 +7,8 @@ batching ``key`` (calls with equal keys may share a launch; ``None`` never share
 wait)``, which returns one result per call: Sample and RouteExperts through the device's graph
 replays (:meth:`.device.DeviceHandle.launch`, waited for as ``wait`` says; a lone call's own
 pieces straight into its captured graph, :meth:`.device.DeviceHandle.replay_alone`), the others
-with torch on its launch thread. Results turn back into messages with ``to_pb``. Protobuf stops here: the kernels only see torch tensors.
+with torch on its launch thread. Results turn back into messages with ``to_pb``. Protobuf stops
+here: the kernels only see torch tensors.
 """
 
 from __future__ import annotations
@@ -261,7 +262,7 @@ class SampleCall:
             tokens = await handle.replay_alone(c.key, c.parts, wait)
             if tokens is not None:
                 return [SampleResult(tokens[0].tolist(), c.seeds())]
-        rows = [c.logits.shape[0] for c in calls]
+        rows = [c.rows for c in calls]
         names = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + ("random_val",)
         names += INT_PARAMS
         filter_order = calls[0].filter_order
