@@ -229,14 +229,14 @@ def _time_pieces(path: str) -> None:
         note("replay", t)
     graphs.CapturedLaunch.start_alone = timed_start_alone
 
-    replay_on_loop = device.DeviceHandle._replay_on_loop
+    replay = device.DeviceHandle._replay
 
-    @functools.wraps(replay_on_loop)
-    async def timed_replay_on_loop(self, start, inputs, spin):
+    @functools.wraps(replay)
+    async def timed_replay(self, start, inputs, wait):
         t0 = clock()
-        await replay_on_loop(self, start, inputs, spin)
+        await replay(self, start, inputs, wait)
         note("start and wait", t0)
-    device.DeviceHandle._replay_on_loop = timed_replay_on_loop
+    device.DeviceHandle._replay = timed_replay
 
     def timed_coroutine(cls, name: str, piece: str, static: bool = False) -> None:
         inner = getattr(cls, name)

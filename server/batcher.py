@@ -23,7 +23,6 @@ the launch, it can raise (a device fault: those calls fail with INTERNAL) or sle
 from __future__ import annotations
 
 import asyncio
-import functools
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -149,11 +148,13 @@ class Batcher:
         if self.metrics is not None:
             # On the loop's next turn, as the RPC's own metrics (server/guard.py): off a lone
             # call's way to its answer.
-            asyncio.get_running_loop().call_soon(functools.partial(
-                self.metrics.observe_batch, calls[0].op, rows=sum(c.rows for c in calls), requests=len(calls),
-                queue_seconds=queue_seconds))
+            asyncio.get_running_loop().call_soon(self._observe_launch, calls, queue_seconds)
         self.launches += 1
         self.batched_requests += len(calls)
+
+    def _observe_launch(self, calls: list, queue_seconds: list[float]) -> None:
+        self.metrics.observe_batch(calls[0].op, rows=sum(c.rows for c in calls), requests=len(calls),
+                                   queue_seconds=queue_seconds)
 
     def _forget(self, key, pending: _Pending) -> None:
         # A call cancelled (client gone, deadline) while still queued leaves the queue at once.

@@ -172,23 +172,25 @@ class DeviceHandle:
         if wait is Wait.THREAD:
             await self.submit(start, inputs)  # the thread waits for the stream
         else:
-            await self._replay_on_loop(start, inputs, spin=wait is Wait.SPIN)
+            self._bind()
+            start(inputs)
+            if not (wait is Wait.SPIN and self._spun()):
+                await self._polled()
         self.graphs.replays += 1
 
-    async def _replay_on_loop(self, start: Callable, inputs, spin: bool) -> None:
-        """On the event loop: ``start(inputs)`` and wait until the stream is done, spinning first
-        if ``spin`` (for up to SPIN_LIMIT_S), then polling."""
-        self._bind()
-        start(inputs)
+    def _spun(self) -> bool:
+        """Spin on the stream, holding the event loop, for up to SPIN_LIMIT_S; whether it is done."""
+        give_up = time.perf_counter() + SPIN_LIMIT_S
+        while not self.stream.query():
+            if time.perf_counter() >= give_up:
+                return False
+        return True
+
+    async def _polled(self) -> None:
+        """Wait for the stream on the event loop, its other callbacks running between polls."""
         try:
-            done = self.stream.query()
-            if spin:
-                give_up = time.perf_counter() + SPIN_LIMIT_S
-                while not done and time.perf_counter() < give_up:
-                    done = self.stream.query()
-            while not done:
-                await asyncio.sleep(0)  # the loop's other callbacks run between polls
-                done = self.stream.query()
+            while not self.stream.query():
+                await asyncio.sleep(0)
         except BaseException:
             self.stream.synchronize()  # cancelled: the next replay may reuse this one's buffers
             raise

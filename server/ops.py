@@ -30,7 +30,7 @@ from .device import Wait
 from .errors import TooLarge
 from .staging import Staging, to_host
 from .tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, decode, from_array, from_torch, pack,
-                      rows_values, set_values, tensor_field)
+                      rows_values, tensor_field)
 
 MAX_RANK = 8
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -300,12 +300,32 @@ class SampleResult:
     seeds: list[int]
 
     def to_pb(self) -> pb.SampleResponse:
-        # Built from Python ints with struct: torch calls on the event loop cost far more.
-        response = pb.SampleResponse()
-        set_values(response.token_ids, self.token_ids, torch.int64)
-        set_values(response.seeds, self.seeds, torch.int64)
-        set_values(response.valid, [i >= 0 for i in self.token_ids], torch.bool)
+        # Built from Python ints with struct: torch calls on the event loop cost far more. The
+        # tensors' dtypes and shapes come parsed from a frame made once per row count: setting
+        # them field by field cost twice as much as the whole answer does this way.
+        rows = len(self.token_ids)
+        frame = _SAMPLE_FRAMES.get(rows)
+        if frame is None:
+            frame = _SAMPLE_FRAMES[rows] = _sample_frame(rows)
+        response = pb.SampleResponse.FromString(frame)
+        response.token_ids.data = pack(self.token_ids, torch.int64)
+        response.seeds.data = pack(self.seeds, torch.int64)
+        response.valid.data = pack([i >= 0 for i in self.token_ids], torch.bool)
         return response
+
+
+def _sample_frame(rows: int) -> bytes:
+    """A SampleResponse of ``rows`` rows without their data: each tensor's dtype and shape."""
+    response = pb.SampleResponse()
+    for tensor, dtype in ((response.token_ids, torch.int64), (response.seeds, torch.int64),
+                          (response.valid, torch.bool)):
+        tensor.dtype = PB_DTYPES[dtype]
+        tensor.shape.append(rows)
+    return response.SerializeToString()
+
+
+# Response frames by row count (at most --max-rows of them).
+_SAMPLE_FRAMES: dict[int, bytes] = {}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,13 +56,16 @@ def field(message, name: str, path: str = "") -> pb.Tensor:
     return getattr(message, name)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class HostTensor:
     """A checked tensor as it arrived: C-order little-endian ``data``, ``dtype`` and ``shape``.
 
     ``data`` is bytes, or a read-only view of the request's bytes (server/wire.py). Shape
     arithmetic and :meth:`reshape` need no torch; :meth:`torch` makes the CPU tensor viewing the
     bytes (on the launch thread), and :class:`~.staging.Staging` copies the bytes.
+
+    Never changed once made (treat it as frozen): a frozen dataclass costs twice as much to make,
+    and a Sample call makes three on its way to the GPU.
     """
 
     data: bytes | memoryview
@@ -156,14 +159,22 @@ def from_torch(t: torch.Tensor) -> pb.Tensor:
     return pb.Tensor(dtype=PB_DTYPES[t.dtype], shape=shape, data=data)
 
 
-# struct format codes of the dtypes Python numbers are packed as (pack, set_values).
+# struct format codes of the dtypes Python numbers are packed as (pack, HostTensor.tolist).
 _STRUCT_CODES = {torch.float32: "f", torch.float64: "d", torch.int32: "i", torch.int64: "q", torch.bool: "?"}
+
+
+# Compiled layouts of pack, by (count, dtype): a call packs the same few every time. Counts are
+# a call's rows times its parameters at most, so the cache stays small.
+_PACKERS: dict[tuple[int, torch.dtype], struct.Struct] = {}
 
 
 def pack(values: list, dtype: torch.dtype) -> bytes:
     """Python numbers as the little-endian bytes of a ``dtype`` tensor, without a torch call
     (each costs microseconds, tens inside the busy server)."""
-    return struct.pack(f"<{len(values)}{_STRUCT_CODES[dtype]}", *values)
+    packer = _PACKERS.get((len(values), dtype))
+    if packer is None:
+        packer = _PACKERS[len(values), dtype] = struct.Struct(f"<{len(values)}{_STRUCT_CODES[dtype]}")
+    return packer.pack(*values)
 
 
 # The wire dtypes numpy has (all but bfloat16), keyed by numpy dtype: results come back as arrays.
@@ -174,15 +185,6 @@ _NUMPY_PB_DTYPES = {torch.empty(0, dtype=t).numpy().dtype: code for t, code in P
 def from_array(a: np.ndarray) -> pb.Tensor:
     """Encode a numpy array (of any wire dtype but bfloat16) as a Tensor message."""
     return pb.Tensor(dtype=_NUMPY_PB_DTYPES[a.dtype], shape=list(a.shape), data=np.ascontiguousarray(a).tobytes())
-
-
-def set_values(t: pb.Tensor, values: list, dtype: torch.dtype) -> None:
-    """Make ``t``, a Tensor field of a message being built, the 1-D tensor of Python numbers
-    ``values`` (see :func:`pack`). Filling the field in place costs half of building a Tensor
-    message and copying it into its parent."""
-    t.dtype = PB_DTYPES[dtype]
-    t.shape.append(len(values))
-    t.data = pack(values, dtype)
 
 
 def rows_values(msg: pb.Tensor, name: str, rows: int, *, dtypes: tuple[torch.dtype, ...]) -> list:

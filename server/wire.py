@@ -31,16 +31,22 @@ class _NotHere(Exception):
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
     """The varint at ``buf[pos]`` and the position after it."""
-    value = shift = 0
+    try:
+        byte = buf[pos]
+    except IndexError:
+        raise _NotHere from None
+    if byte < 0x80:  # tags, dtypes and short lengths: one byte
+        return byte, pos + 1
+    value, shift = byte & 0x7F, 7
     while True:
+        pos += 1
         try:
             byte = buf[pos]
         except IndexError:
             raise _NotHere from None
-        pos += 1
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
-            return value, pos
+            return value, pos + 1
         shift += 7
         if shift > 63:
             raise _NotHere
@@ -87,7 +93,7 @@ def _first_fields(buf: bytes, start: int, end: int, numbers) -> dict[int, tuple[
     return found
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Received:
     """A request as read by :class:`InPlaceReader`: the message, and for each tensor field whose
     ``data`` stayed in the received bytes, those bytes (the message's own ``data`` is empty),
