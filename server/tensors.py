@@ -117,11 +117,12 @@ def decode(msg: pb.Tensor, name: str, *, dtypes: tuple[torch.dtype, ...], ranks:
     ``dtypes`` and ``ranks`` are what the field accepts; ``data``, when given, is the field's
     bytes as read in place from the request (server/wire.py), ``msg.data`` being empty.
     """
-    if msg.dtype == pb.DTYPE_UNSPECIFIED:
+    code = msg.dtype
+    if code == pb.DTYPE_UNSPECIFIED:
         raise ValueError(f"{name}.dtype: not set (DTYPE_UNSPECIFIED)")
-    dtype = TORCH_DTYPES.get(msg.dtype)
+    dtype = TORCH_DTYPES.get(code)
     if dtype is None:
-        raise ValueError(f"{name}.dtype: unknown value {msg.dtype}")
+        raise ValueError(f"{name}.dtype: unknown value {code}")
     if dtype not in dtypes:
         allowed = ", ".join(dtype_name(d) for d in dtypes)
         raise TypeError(f"{name}.dtype: must be one of {allowed}, got {dtype_name(dtype)}")
@@ -129,9 +130,9 @@ def decode(msg: pb.Tensor, name: str, *, dtypes: tuple[torch.dtype, ...], ranks:
     if len(shape) not in ranks:
         allowed = " or ".join(str(r) for r in ranks)
         raise ValueError(f"{name}.shape: rank must be {allowed}, got {len(shape)} (shape {list(shape)})")
-    for axis, size in enumerate(shape):
-        if size < 1:
-            raise ValueError(f"{name}.shape: dimension {axis} is {size}; sizes must be >= 1 (no empty tensors)")
+    if shape and min(shape) < 1:
+        axis = next(i for i, size in enumerate(shape) if size < 1)
+        raise ValueError(f"{name}.shape: dimension {axis} is {shape[axis]}; sizes must be >= 1 (no empty tensors)")
     need = math.prod(shape) * dtype.itemsize
     if data is None:
         data = msg.data  # each read of a bytes field makes a new bytes object: read it once
