@@ -59,7 +59,7 @@ class Service:
         self.version = __version__
         self.limits = ops.Limits(max_rows=config.max_rows, max_vocab=config.max_vocab,
                                  max_output_bytes=config.max_message_bytes)
-        self.handle = DeviceHandle(config.resolved_device, config.backend, config.cuda_graphs, config.hold_launches)
+        self.handle = DeviceHandle(config.resolved_device, config.backend, config.cuda_graphs)
         self.metrics = Metrics()
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None

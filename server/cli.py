@@ -60,8 +60,6 @@ FLAGS = (
     ("--backend", str, _D.backend, "kernel backend: auto (triton on CUDA, torch on CPU), triton, interpret, torch"),
     ("--cuda-graphs", _switch, "on" if _D.cuda_graphs else "off",
      "replay Sample and RouteExperts launches from CUDA graphs (on, off)"),
-    ("--hold-launches", _switch, "on" if _D.hold_launches else "off",
-     "launch a lone client's next graph ahead of its call, held on the GPU until it comes (on, off)"),
     ("--max-batch-rows", int, _D.max_batch_rows, "most rows the batcher puts into one launch"),
     ("--max-delay-us", int, _D.max_delay_us, "longest a call waits for others while the device is idle (us; 0: launch at once)"),
     ("--max-queue", int, _D.max_queue, "calls waiting for a launch before new ones get RESOURCE_EXHAUSTED"),

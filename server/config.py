@@ -30,9 +30,6 @@ class ServerConfig:
     # Replay Sample and RouteExperts launches from CUDA graphs, one per op key and power-of-two
     # batch size (server/graphs.py); False launches every batch eagerly. CUDA with triton only.
     cuda_graphs: bool = True
-    # After a lone client's call, launch its graph again ahead of the next call, held on the GPU
-    # until that call's inputs are written (server/gate.py). Needs cuda_graphs; x86-64 hosts.
-    hold_launches: bool = True
     # Dynamic batching: most rows in one launch, and the longest a request waits for others
     # while the device is idle. 0 launches at once when the device is free, and calls that
     # arrive during a launch share the next one: batches grow with load and a lone call pays

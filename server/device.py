@@ -49,7 +49,6 @@ import torch
 
 from logitserve import kernels
 
-from .gate import HOLD_LIMIT_S, launch_gate
 from .graphs import Launch, LaunchGraphs, bucket_rows
 from .logs import get_logger, log_event
 from .staging import Staging, to_host
@@ -90,7 +89,7 @@ class Wait(enum.Enum):
 class DeviceHandle:
     """A torch device with its backend, CUDA stream (None on the CPU) and launch thread."""
 
-    def __init__(self, device: str, backend: str = "auto", cuda_graphs: bool = True, hold_launches: bool = False):
+    def __init__(self, device: str, backend: str = "auto", cuda_graphs: bool = True):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
@@ -104,9 +103,6 @@ class DeviceHandle:
         # The interpreter and torch backends have no kernels a graph could capture.
         self.graphs = (LaunchGraphs(self.device, self.stream)
                        if cuda_graphs and self.stream is not None and self.backend == "triton" else None)
-        # A lone call's graph launched again ahead of the next call (server/gate.py). Only for a
-        # handle whose event loop keeps running (a server's): a hold is let go by the loop's timer.
-        self.gate = launch_gate(self.stream) if hold_launches and self.graphs is not None else None
         self.name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                      else platform.processor() or platform.machine() or "cpu")
         self.warmed_dtypes: list[torch.dtype] = []
@@ -146,7 +142,6 @@ class DeviceHandle:
         launch thread).
         """
         async with self._lock:
-            self._let_go()
             if self.graphs is not None:
                 bucket = bucket_rows(rows)
                 stage = stage_for(bucket)
@@ -163,50 +158,14 @@ class DeviceHandle:
         dim 0 its rows) fill the graph captured for ``key`` at their rows: written straight into
         the graph's input buffer, with no staging, layout or closures to build. The path of a
         call that finds the server idle. None when no graph was captured for them (graphs off,
-        rows not a power of two, or not yet replayed): then the call goes through :meth:`launch`.
-
-        With a gate (server/gate.py), a call waited for by spinning (a lone client's) leaves its
-        graph launched again and held for the next one, which then only writes its inputs and
-        lets it go."""
+        rows not a power of two, or not yet replayed): then the call goes through :meth:`launch`."""
         rows = parts[0].shape[0]
         graph = None if self.graphs is None else self.graphs.get(key, rows)
         if graph is None:
             return None
         async with self._lock:
-            if self.gate is not None and self.gate.held is graph and wait is not Wait.THREAD:
-                await self._replay(self._let_go_with, parts, wait)
-            else:
-                self._let_go()
-                await self._replay(graph.start_alone, parts, wait)
-            outputs = graph.outputs(rows)
-        if self.gate is not None and wait is Wait.SPIN:
-            # On the loop's next turn, once the answer is on its way.
-            asyncio.get_running_loop().call_soon(self._hold, graph)
-        return outputs
-
-    def _let_go_with(self, parts: tuple[HostTensor, ...]) -> None:
-        """Start the held graph over ``parts``: its inputs written, then the gate opened."""
-        self.gate.held.write_alone(parts)
-        self.gate.let_go()
-
-    def _let_go(self) -> None:
-        """Let a held graph run (the stream is then free for other work behind it)."""
-        if self.gate is not None:
-            self.gate.let_go()
-
-    def _hold(self, graph) -> None:
-        """Launch ``graph`` ahead of a lone client's next call and hold it (server/gate.py), unless
-        the device has other work or a graph is held already; let it go after HOLD_LIMIT_S."""
-        if self.gate is None or self.gate.held is not None or self._lock.locked() or self._thread_work:
-            return
-        self._bind()
-        try:
-            hold = self.gate.hold(graph)
-        except RuntimeError as exc:  # the driver refused the stream wait: launch calls as they come
-            log_event(log, "launch gate off", device=str(self.device), error=str(exc))
-            self.gate = None
-            return
-        asyncio.get_running_loop().call_later(HOLD_LIMIT_S, self.gate.let_go, hold)
+            await self._replay(graph.start_alone, parts, wait)
+            return graph.outputs(rows)
 
     async def _replay(self, start: Callable, inputs, wait: Wait) -> None:
         """``start(inputs)`` queues a graph's replay; wait for it as ``wait`` says."""
@@ -287,7 +246,6 @@ class DeviceHandle:
         """Run ``fn(*args)`` alone on the device's launch thread (and stream); return its result
         once the device has finished it."""
         async with self._lock:
-            self._let_go()
             return await self.submit(fn, *args)
 
     def check(self) -> None:
@@ -321,5 +279,4 @@ class DeviceHandle:
                   seconds=round(time.perf_counter() - start, 3), plans=self.plan_cache_size)
 
     def close(self) -> None:
-        self._let_go()
         self._executor.shutdown(wait=True, cancel_futures=True)

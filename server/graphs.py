@@ -92,17 +92,8 @@ class CapturedLaunch:
         """:meth:`start` for a batch of one call whose rows fill the bucket: ``parts`` (the call's
         own pieces, one per staged part) are written straight into their places, with no Staging.
         A part of another size raises ``ValueError`` before the replay."""
-        self.write_alone(parts)
-        self._graph.replay()
-
-    def write_alone(self, parts: tuple[HostTensor, ...]) -> None:
-        """:meth:`start_alone`'s writes, without the replay (a replay already queued and held
-        reads them: server/gate.py)."""
         for place, part in zip(self._part_bytes, parts, strict=True):
             place[:] = part.data
-
-    def replay(self) -> None:
-        """Queue the graph over whatever its input buffer holds."""
         self._graph.replay()
 
     def outputs(self, rows: int) -> list[np.ndarray]:
@@ -135,9 +126,6 @@ class LaunchGraphs:
 
     def capture(self, key, bucket: int, stage: Staging, launch: Launch) -> CapturedLaunch:
         """Capture ``launch`` over ``stage`` (``bucket`` rows) for ``key``, on the device's launch thread."""
-        # A graph let go from the launch gate (server/gate.py) may still run: the buffers of one
-        # dropped here must not be handed out again before it is done.
-        self.stream.synchronize()
         while self._graphs and self._bytes + stage.nbytes > self.budget_bytes:
             _, dropped = self._graphs.popitem(last=False)
             self._bytes -= dropped.nbytes

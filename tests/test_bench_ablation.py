@@ -7,7 +7,6 @@ def test_busy_variant_sets_the_flag_alone_or_joined():
     assert server_flags({"full", "busy2000"}) == ["--busy-poll-us", "2000"]
     assert server_flags({"full", "busy0", "queued"}) == ["--busy-poll-us", "0"]
     assert server_flags({"full", "eager"}) == ["--cuda-graphs", "off"]
-    assert server_flags({"full", "unheld"}) == ["--hold-launches", "off"]
     assert server_flags({"full"}) == []
 
 

@@ -13,7 +13,6 @@ import torch
 
 from logitserve import kernels
 from logitserve.server.device import DeviceHandle, Wait
-from logitserve.server.gate import HOLD_LIMIT_S
 from logitserve.server.graphs import LaunchGraphs
 from logitserve.server.ops import RouteExpertsCall, SampleCall
 from logitserve.server.staging import Staging
@@ -187,55 +186,3 @@ def test_a_spun_replay_answers_without_yielding_to_the_event_loop(handles):
 
     results = asyncio.run(main())
     np.testing.assert_array_equal(results[0].token_ids, _direct(calls[0]))
-
-
-def test_a_lone_clients_next_launch_is_held_until_its_call_lets_it_go():
-    """With the launch gate (server/gate.py): after a spun lone call its graph is launched again
-    and held; the next call of that key writes its inputs and lets it go, and gets the kernels'
-    tokens. A call of another key, a batch, the hold limit and closing the handle each let a held
-    graph go (it runs over the inputs it holds, its outputs unread)."""
-    handle = DeviceHandle(DEVICE, "triton", hold_launches=True)
-    assert handle.gate is not None  # the H100 host: x86-64, a driver with stream waits
-    lone = _sample_calls([1] * 6, 128256, torch.bfloat16, seed=8)
-    other = _sample_calls([1], 32000, torch.bfloat16, seed=9)[0]
-    batch = _sample_calls([1, 1], 128256, torch.bfloat16, seed=10)
-    # Worked out before any hold: the kernels run on another stream of the device.
-    expected = {id(c): _direct(c) for c in [*lone, other, *batch]}
-
-    async def run(calls, wait=Wait.SPIN):
-        results = await SampleCall.run_batch(calls, handle, wait=wait)
-        await asyncio.sleep(0)  # the loop's next turn: the hold, if any
-        return results
-
-    async def scenario():
-        graph_key = lone[0].key
-        await run(lone[:1])  # captured
-        await run(lone[1:2])  # written into the graph, then held
-        graph = handle.graphs.get(graph_key, 1)
-        for call in lone[2:4]:
-            assert handle.gate.held is graph
-            replays = handle.graphs.replays
-            result, = await run([call])
-            assert handle.graphs.replays == replays + 1
-            np.testing.assert_array_equal(result.token_ids, expected[id(call)])
-        assert handle.gate.held is graph  # held again for the next
-        result, = await run([other])  # another key: the held graph goes, then this one's
-        np.testing.assert_array_equal(result.token_ids, expected[id(other)])
-        await run(lone[4:5])
-        assert handle.gate.held is graph
-        results = await run(batch, wait=Wait.THREAD)  # through the launch thread
-        assert handle.gate.held is None
-        for call, r in zip(batch, results):
-            np.testing.assert_array_equal(r.token_ids, expected[id(call)])
-        await run(lone[5:6])
-        assert handle.gate.held is graph
-        await asyncio.sleep(HOLD_LIMIT_S * 3)
-        assert handle.gate.held is None  # no call came: let go
-        await run(lone[:1])
-        assert handle.gate.held is graph
-
-    try:
-        asyncio.run(scenario())
-    finally:
-        handle.close()  # lets the last hold go: the stream empties
-    handle.stream.synchronize()
