@@ -17,6 +17,7 @@ import torch
 from conftest import HAS_CUDA
 from helpers import strided
 from logitserve.kernels import SamplePlan, TensorSpec, sample
+from logitserve.kernels.reference import sample as reference
 from test_sample_expected import kept_probabilities
 
 sample_module = importlib.import_module("logitserve.kernels.sample")
@@ -252,6 +253,21 @@ def test_real_vocab_widths(backend, device, gen, vocab):
     tokens = draw(x, backend, device, **kw)
     assert_kept(x, tokens, 0.8, top_k=50, top_p=0.9)
     assert draw(x, backend, device, temperature=0.0).tolist() == x.argmax(1).tolist()
+
+
+def test_torch_backend_in_row_chunks_equals_the_reference_at_once(monkeypatch):
+    # The torch backend runs the reference a few rows at a time (REFERENCE_CHUNK_ELEMENTS, to stay
+    # in cache): the tokens are those of one call over the whole batch.
+    monkeypatch.setattr(sample_module, "REFERENCE_CHUNK_ELEMENTS", 1000)  # 2 rows of 400 a chunk
+    gen = torch.Generator().manual_seed(77)
+    x = randn((7, 400), gen)
+    rows = dict(temperature=torch.rand(7, generator=gen) + 0.3, top_k=torch.randint(0, 50, (7,), generator=gen),
+                top_p=torch.rand(7, generator=gen) * 0.5 + 0.5, min_p=torch.zeros(7), seed=torch.arange(7) * 11,
+                step=torch.arange(7))
+    assert torch.equal(sample(x, backend="torch", **rows), reference.sample(x, *rows.values()))
+    random_val = torch.rand(7, generator=gen)
+    assert torch.equal(sample(x, backend="torch", random_val=random_val, **rows),
+                       reference.sample(x, *rows.values(), random_val=random_val))
 
 
 def test_backends_agree():
