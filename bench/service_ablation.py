@@ -160,18 +160,17 @@ def _armed_replays(device) -> None:
         if graph is None or wait is not Wait.SPIN:
             let_go()
             return await replay_alone(self, key, parts, wait)
-        async with self._lock:
-            self._bind()
-            if state["graph"] is graph:
-                for place, part in zip(graph._part_bytes, parts, strict=True):
+
+        def start(inputs):
+            if state["graph"] is graph:  # launched already: write the inputs, then let it go
+                for place, part in zip(graph._part_bytes, inputs, strict=True):
                     place[:] = part.data
                 let_go()
             else:
                 let_go()
-                graph.start_alone(parts)
-            if not self._spun():
-                await self._polled()
-            self.graphs.replays += 1
+                graph.start_alone(inputs)
+        async with self._lock:
+            await self._replay(start, parts, wait)
             outputs = graph.outputs(rows)
         asyncio.get_running_loop().call_soon(arm, self, graph)
         return outputs

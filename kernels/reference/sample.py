@@ -118,8 +118,7 @@ def _draw(x, d, w, sorted_x, order, k, top_p, min_p, keys, filter_order):
     kept = in_k & in_p & (w >= min_p)
     # Exponential race: argmax p_i / E_i over the kept tokens is distributed as p restricted to
     # them; in base-2 logs, argmax log2(w_i) - log2(E_i). The noise is drawn for the kept tokens
-    # alone (often a few dozen of the row): the same values noise() gives them, a third of the
-    # time of a 128K-token row saved.
+    # alone (often a few dozen of the row), the same values noise() gives them, not for the row.
     rows, cols = kept.nonzero(as_tuple=True)
     k0, k1 = keys
     race = torch.full_like(d, float("-inf"))
