@@ -34,9 +34,7 @@ many rounds it was faster.
 - ``uvloop``: the server's event loop is uvloop's instead of asyncio's (``echo+uvloop``: the
   echo server's; ``echo+busyN`` polls as below);
 - ``busyN``: ``--busy-poll-us N`` (the event loop polls N us before it sleeps; the server's
-  default is 2000);
-- ``warmN``: ``--keep-warm-us N`` (while polling, the latest call's parse, validation and answer
-  run again every N us; the server's default is 100, ``warm0`` turns it off);
+  default is 0, no polling);
 - ``timed``: times a Sample call's pieces inside the server (parse, parsed to handler, validate,
   submit, of which run_batch, of which the device's launch, of which the graph's start and wait
   (stage, replay), reply, the whole handler) and
@@ -281,13 +279,11 @@ def _time_pieces(path: str) -> None:
 
     async def timed_sample(self, request, context):
         t = note("parsed to handler", parsed[0])
-        service = self._service
-        call = ops.SampleCall.from_pb(request.message, service.limits, in_place=request.tensor_bytes)
+        call = self._call(ops.SampleCall, request)
         t = note("validate", t)
         guard.note_rows(call.rows)
-        result = await service.batcher.submit(call, timeout=context.time_remaining())
+        result = await self._service.batcher.submit(call, timeout=context.time_remaining())
         t = note("submit", t)
-        service.keep_warm.remember("Sample", ops.SampleCall, request.raw, result)
         reply = result.to_pb()
         note("reply", t)
         return reply
@@ -347,8 +343,6 @@ def server_flags(variants: set[str]) -> list[str]:
     for v in sorted(variants):
         if v.startswith("busy"):
             flags += ["--busy-poll-us", v[4:]]
-        if v.startswith("warm"):
-            flags += ["--keep-warm-us", v[4:]]
     if "eager" in variants:
         flags += ["--cuda-graphs", "off"]
     return flags

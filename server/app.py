@@ -27,7 +27,6 @@ from .busy_poll import BusyPollEventLoop
 from .config import ServerConfig
 from .device import DeviceHandle
 from .guard import Guard, GuardedRegistrar, status_for
-from .keep_warm import KeepWarm
 from .logs import get_logger, log_event
 from .metrics import Metrics
 from .servicer import LogitServeServicer, request_parsers
@@ -87,11 +86,7 @@ class Service:
             ("grpc.max_metadata_size", METADATA_LIMIT_BYTES),
             ("grpc.absolute_max_metadata_size", METADATA_LIMIT_BYTES),
         ])
-        parsers = request_parsers()
-        occupancy = guard.occupancy
-        self.keep_warm = KeepWarm({path.rsplit("/", 1)[1]: read for path, read in parsers.items()}, self.limits,
-                                  is_idle=lambda: occupancy.calls == 0)
-        guarded = GuardedRegistrar(self.server, guard, parsers)
+        guarded = GuardedRegistrar(self.server, guard, request_parsers())
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
         # What reflection.enable_server_reflection does for a grpc.aio server, through the guard.
@@ -114,16 +109,13 @@ class Service:
             occupancy = self.batcher.occupancy
             loop.hold_off_while(lambda: self.handle.thread_busy or not occupancy.serves_a_lone_client())
             busy_poll_us = loop.window_us
-            if self.config.keep_warm_us:
-                loop.call_while_polling(self.keep_warm.rehearse, self.config.keep_warm_us)
         self.batcher.start()
         await self.server.start()
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port, self.config.host)
         log_event(log, "listening", port=self.port, tls=self.tls, mutual_tls=self.config.tls_client_ca is not None,
                   auth=self.tokens is not None, metrics_port=self.config.metrics_port or None,
-                  busy_poll_us=busy_poll_us, keep_warm_us=self.config.keep_warm_us if busy_poll_us else 0,
-                  **self.handle.properties)
+                  busy_poll_us=busy_poll_us, **self.handle.properties)
 
     async def warm_up(self) -> None:
         """Compile the kernels for the configured dtypes, then report SERVING."""

@@ -41,34 +41,24 @@ def _never() -> bool:
     return False
 
 
-def _nothing() -> None:
-    pass
-
-
 class BusyPollSelector(selectors.DefaultSelector):
     """A selector whose blocking ``select`` first polls without blocking for ``window_s``, unless
-    ``hold_off()`` is true, calling ``while_polling()`` every ``every_s`` of it."""
+    ``hold_off()`` is true."""
 
     def __init__(self, window_s: float):
         super().__init__()
         self._window_s = window_s
         self.hold_off: Callable[[], bool] = _never
-        self.while_polling: Callable[[], None] = _nothing
-        self.every_s = float("inf")
 
     def select(self, timeout=None):
         if (timeout is not None and timeout <= 0) or self.hold_off():
             return super().select(timeout)
         start = time.monotonic()
         until = start + (self._window_s if timeout is None else min(self._window_s, timeout))
-        call_at = start + self.every_s
-        while (now := time.monotonic()) < until:
+        while time.monotonic() < until:
             ready = super().select(0)
             if ready:
                 return ready
-            if now >= call_at:
-                self.while_polling()
-                call_at = time.monotonic() + self.every_s
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
         return super().select(left)
 
@@ -84,11 +74,6 @@ class BusyPollEventLoop(asyncio.SelectorEventLoop):
     def hold_off_while(self, predicate: Callable[[], bool]) -> None:
         """Sleep at once, without polling, whenever ``predicate()`` is true."""
         self._selector_polling.hold_off = predicate
-
-    def call_while_polling(self, function: Callable[[], None], every_us: int) -> None:
-        """Call ``function()`` every ``every_us`` while polling (server/keep_warm.py)."""
-        self._selector_polling.while_polling = function
-        self._selector_polling.every_s = every_us * 1e-6
 
     def holding_off(self) -> bool:
         """Whether the loop would sleep at once now."""

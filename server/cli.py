@@ -81,8 +81,6 @@ FLAGS = (
     ("--metrics-port", int, _D.metrics_port, "Prometheus /metrics port, worker i on this port + i (0: off)"),
     ("--busy-poll-us", int, _D.busy_poll_us, "how long the event loop polls for the next call before it sleeps "
      "(us; 0: it sleeps at once)"),
-    ("--keep-warm-us", int, _D.keep_warm_us, "while polling, how often the latest call's parse, validation and "
-     "answer are run again to keep them in the caches (us; 0: never)"),
     ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
     ("--log-level", str, _D.log_level, f"one of {', '.join(LOG_LEVELS)}"),
 )

@@ -70,9 +70,6 @@ class ServerConfig:
     # 50 ms), so a loaded server sleeps as before. On the H100 host it took 61-169 us off a lone
     # Sample call's p50 in four runs, with load throughput within +-6 % (busy_poll.py).
     busy_poll_us: int = 2000
-    # While it polls, the event loop re-runs the latest call's parse, validation and answer this
-    # often, in us, so that the next call's Python finds warm caches (server/keep_warm.py); 0: never.
-    keep_warm_us: int = 100
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0
     log_level: str = "info"
@@ -91,8 +88,6 @@ class ServerConfig:
             raise ValueError(f"max_message_bytes: gRPC's limit is 2147483647, got {self.max_message_bytes}")
         if self.busy_poll_us < 0:
             raise ValueError(f"busy_poll_us: must be >= 0 (0: off), got {self.busy_poll_us}")
-        if self.keep_warm_us < 0:
-            raise ValueError(f"keep_warm_us: must be >= 0 (0: off), got {self.keep_warm_us}")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s: must be >= 0, got {self.grace_period_s}")
         if self.backend not in ("auto", "triton", "interpret", "torch"):

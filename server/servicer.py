@@ -70,28 +70,28 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     def __init__(self, service):
         self._service = service
 
-    async def _run(self, rpc: str, op, request: Received, context):
-        service = self._service
-        call = op.from_pb(request.message, service.limits, in_place=request.tensor_bytes)
+    def _call(self, op, request: Received):
+        return op.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes)
+
+    async def _run(self, call, context):
         note_rows(call.rows)
-        result = await service.batcher.submit(call, timeout=context.time_remaining())
-        service.keep_warm.remember(rpc, op, request.raw, result)
+        result = await self._service.batcher.submit(call, timeout=context.time_remaining())
         return result.to_pb()
 
     async def Sample(self, request: Received, context):
-        return await self._run("Sample", ops.SampleCall, request, context)
+        return await self._run(self._call(ops.SampleCall, request), context)
 
     async def RouteExperts(self, request: Received, context):
-        return await self._run("RouteExperts", ops.RouteExpertsCall, request, context)
+        return await self._run(self._call(ops.RouteExpertsCall, request), context)
 
     async def Softmax(self, request: Received, context):
-        return await self._run("Softmax", ops.SoftmaxCall, request, context)
+        return await self._run(self._call(ops.SoftmaxCall, request), context)
 
     async def CausalSoftmax(self, request: Received, context):
-        return await self._run("CausalSoftmax", ops.CausalSoftmaxCall, request, context)
+        return await self._run(self._call(ops.CausalSoftmaxCall, request), context)
 
     async def Silu(self, request: Received, context):
-        return await self._run("Silu", ops.SiluCall, request, context)
+        return await self._run(self._call(ops.SiluCall, request), context)
 
     async def _step(self, request: Received, context) -> pb.StepResponse:
         step = ops.StepCall.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes)

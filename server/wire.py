@@ -95,13 +95,12 @@ def _first_fields(buf: bytes, start: int, end: int, numbers) -> dict[int, tuple[
 
 @dataclass(slots=True)
 class Received:
-    """A request as read by :class:`InPlaceReader`: the message, for each tensor field whose
-    ``data`` stayed in the received bytes those bytes (the message's own ``data`` is empty), by
-    the field's dotted name (``logits``; in a Step, ``sample.logits``), and the bytes as received."""
+    """A request as read by :class:`InPlaceReader`: the message, and for each tensor field whose
+    ``data`` stayed in the received bytes, those bytes (the message's own ``data`` is empty),
+    by the field's dotted name (``logits``; in a Step, ``sample.logits``)."""
 
     message: object
     tensor_bytes: Mapping[str, memoryview] = field(default_factory=dict)
-    raw: bytes = b""
 
 
 class InPlaceReader:
@@ -129,9 +128,9 @@ class InPlaceReader:
         try:
             self._locate(raw, 0, len(raw), [], self._tree, cuts)
         except _NotHere:
-            return Received(self._parse(raw), raw=raw)
+            return Received(self._parse(raw))
         if not cuts:
-            return Received(self._parse(raw), raw=raw)
+            return Received(self._parse(raw))
         message = self._parse(_without(raw, cuts.values()))
         views = {}
         for name, (attributes, _, (_, data_at, data_end)) in cuts.items():
@@ -140,7 +139,7 @@ class InPlaceReader:
                 tensor = getattr(tensor, attribute)
             if not tensor.data:  # else a later occurrence brought data of its own: it wins, as in protobuf
                 views[name] = memoryview(raw)[data_at:data_end]
-        return Received(message, views, raw)
+        return Received(message, views)
 
     def _locate(self, raw: bytes, start: int, end: int, enclosing: list, level: dict, cuts: dict) -> None:
         """Add to ``cuts`` where the first occurrence of each tensor's data below ``level`` sits,

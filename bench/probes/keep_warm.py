@@ -2,8 +2,9 @@
 
 The bench's Sample 1x128256 bf16 requests through the guarded handler, the batcher and the
 captured graph (bench/lone_call.py's setup on the real device), each after 700 us of: sleep;
-polling epoll (what a busy-polling server does); polling with server/keep_warm.py's rehearsal
-every 100 us (``rehearse100``), with the driver's launch call warmed instead (a one-kernel graph
+polling epoll (what a busy-polling server does); polling with a rehearsal every 100 us
+(``rehearse100``: the latest request parsed, validated and its answer serialized again, results
+thrown away; what commit 16fbdbd's ``--keep-warm-us`` did, reverted in the next), with the driver's launch call warmed instead (a one-kernel graph
 replayed every 100 us, ``launch100``), both, or the whole call run again every 300 us
 (``full300``). Kinds interleave in a random order, ``reps`` blocks of ``calls`` calls each.
 
@@ -13,7 +14,7 @@ import asyncio, json, os, random, select, statistics, sys, time
 import grpc, numpy as np, torch
 from bench import lone_call
 from bench.service import payloads
-from logitserve.server import app, guard, servicer
+from logitserve.server import app, guard, ops, servicer
 from logitserve.server.config import ServerConfig
 
 
@@ -28,6 +29,13 @@ async def main(calls: int, pause_us: int, reps: int) -> dict:
         servicer.LogitServeServicer(service).Sample), servicer.request_parsers()[lone_call.SAMPLE])
     requests, context = payloads(0)[0].requests, lone_call._Context()
     epoll = select.epoll()
+    read = servicer.request_parsers()[lone_call.SAMPLE]
+    answer = ops.SampleResult([5], [7])
+
+    def rehearse(i):
+        request = read(requests[i % len(requests)])
+        ops.SampleCall.from_pb(request.message, service.limits, in_place=request.tensor_bytes)
+        answer.to_pb().SerializeToString()
 
     async def one(i):
         response = await handler.unary_unary(handler.request_deserializer(requests[i % len(requests)]), context)
@@ -69,7 +77,7 @@ async def main(calls: int, pause_us: int, reps: int) -> dict:
                         if kind == "full300":
                             await one(i + 1)
                         if "rehearse" in kind:
-                            service.keep_warm.rehearse()
+                            rehearse(i + 1)
                         if "launch" in kind:
                             launch()
                         next_at = time.perf_counter() + every
