@@ -6,8 +6,8 @@ back. In the server each of them releases the GIL and waits to take it back from
 loop, so the launch thread's host work, not the GPU, sets the pace (bench/service_breakdown.py).
 
 A :class:`CapturedLaunch` is one op's launch for one batch size, captured once together with
-its inputs' copy to the device and its outputs' copy back, over a static page-locked buffer and
-a static device buffer. A batch is padded up to the next power of two of its rows
+its inputs' copy to the device and its outputs' copy back (kernels reading and writing the
+page-locked buffers: kernel_copy.py), over a static page-locked buffer and a static device buffer. A batch is padded up to the next power of two of its rows
 (:func:`bucket_rows`), so a few graphs per op key serve every batch; the padding rows hold
 whatever an earlier batch left there, and their outputs are never read. :class:`LaunchGraphs`
 keeps them per (key, bucket), captured on first use and dropped least recently used beyond a
@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .kernel_copy import copy_by_kernel
 from .staging import Staging
 from .tensors import HostTensor
 
@@ -61,21 +62,24 @@ class CapturedLaunch:
                             for shape, dtype, offset in self.layout]
         self._device = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         inputs = stage.views(self._device)
-        # Run once before capturing: it compiles the kernels and builds their plans, which a
-        # capture cannot (the inputs are zeros; the outputs are discarded).
+        # Run once before capturing, copies included: it compiles the kernels and builds their
+        # plans, which a capture cannot (the inputs are zeros; the outputs are discarded).
         with torch.cuda.stream(stream):
+            copy_by_kernel(self._host, self._device)
             outputs = launch(*inputs)
+            # Page-locked outputs, read through numpy: outputs are of dtypes numpy has (token
+            # ids, expert weights and indices).
+            self._outputs = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outputs]
+            for host, out in zip(self._outputs, outputs):
+                copy_by_kernel(out.contiguous(), host)
         stream.synchronize()
-        # Page-locked outputs, read through numpy: outputs are of dtypes numpy has (token ids,
-        # expert weights and indices).
-        self._outputs = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outputs]
         self._output_arrays = [o.numpy() for o in self._outputs]
         self._graph = torch.cuda.CUDAGraph()
         # thread_local: the capture tolerates CUDA calls other threads may make meanwhile.
         with torch.cuda.graph(self._graph, stream=stream, capture_error_mode="thread_local"):
-            self._device.copy_(self._host, non_blocking=True)
+            copy_by_kernel(self._host, self._device)
             for host, out in zip(self._outputs, launch(*inputs)):
-                host.copy_(out, non_blocking=True)
+                copy_by_kernel(out.contiguous(), host)
 
     def start(self, stage: Staging) -> None:
         """Queue the graph on its stream over ``stage`` (laid out as captured); returns at once.

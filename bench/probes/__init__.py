@@ -6,6 +6,7 @@
     source scripts/device_env.sh; python3 bench/probes/gpu_cold.py    # the launch call after a 256 KB write
     source scripts/device_env.sh; python3 bench/probes/armed.py       # a graph launched ahead, let go by a flag
     source scripts/device_env.sh; python3 bench/probes/keep_warm.py   # a lone call after idle, kept warm or not
+    source scripts/device_env.sh; python3 bench/probes/kernel_copy.py # graph copies by memcpy node or by kernel
 
 and one of the CPU device's sampler (the dev machine, with this checkout on ``PYTHONPATH``):
 
