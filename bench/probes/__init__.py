@@ -3,6 +3,7 @@
 
     source scripts/device_env.sh; python3 bench/probes/gpu_probe.py   # the graph launch call's host time, GPU times
     source scripts/device_env.sh; python3 bench/probes/gpu_pool.py    # GPU time per request of the bench's pool
+    source scripts/device_env.sh; python3 bench/probes/gpu_kernels.py # per-kernel GPU time of those graphs
     source scripts/device_env.sh; python3 bench/probes/gpu_cold.py    # the launch call after a 256 KB write
     source scripts/device_env.sh; python3 bench/probes/armed.py       # a graph launched ahead, let go by a flag
     source scripts/device_env.sh; python3 bench/probes/keep_warm.py   # a lone call after idle, kept warm or not
