@@ -55,7 +55,7 @@ def workspace_layout(n_rows: int, n_chunks: int, n_groups: int, ct_size: int) ->
         return (n + 15) // 16 * 16
     sizes = (4 * n_rows, 4 * n_rows, 16 * n_rows, 2 * ct_size * n_rows, 8 * n_rows * n_chunks,
              2 * ct_size * n_rows * n_chunks, ct_size * n_rows * n_groups, ct_size * n_rows * CAP.value,
-             4 * n_rows * CAP.value, ct_size * n_rows * n_chunks, 16 * n_rows * n_chunks)
+             4 * n_rows * CAP.value, ct_size * n_rows * n_chunks, 16 * n_rows * n_chunks, ct_size * n_rows * n_chunks)
     return sum(align(s) for s in sizes)
 
 
@@ -82,6 +82,13 @@ def ws_offsets(n_rows, n_chunks, NG: tl.constexpr, IS_F64: tl.constexpr):
     o_p1s = o_ci + _align16(4 * rows * CAP)
     o_p1i = o_p1s + _align16(CT * rows * n_chunks)
     return o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i
+
+
+@triton.jit
+def ws_check_offset(o_p1i, n_rows, n_chunks):
+    """Byte offset of the finish launch's partial masses (one per row and chunk: the first check
+    of the walk, computed by every chunk), after the first-pass (index, key) pairs."""
+    return o_p1i + _align16(16 * tl.cast(n_rows, tl.int64) * n_chunks)
 
 
 @triton.jit

@@ -190,9 +190,13 @@ class SamplePlan:
             gather_kernel(grid2, gather_args, dict(gather_flags, GATHER=False, WITH_PASS1=True), GATHER_WARPS, dev)
         elif gather or k_off:
             gather_kernel(grid2, gather_args, dict(gather_flags, GATHER=gather, WITH_PASS1=k_off), GATHER_WARPS, dev)
-        finish((grid_rows,), (out, ws, logits, rs, cs, *t, *k, *p, *mp, *seeds, n_rows, n_cols),
+        # Rows can have run the first pass (ROW_STATE_PASS1) only without a top_k in reach; with
+        # top_p, their walk's first check is spread over the row's chunks (_sampling_finish.py).
+        spread = k_off and (per_row["top_p"] or top_p < 1)
+        finish((grid_rows, self.n_chunks) if spread else (grid_rows,),
+               (out, ws, logits, rs, cs, *t, *k, *p, *mp, *seeds, n_rows, n_cols),
                dict(shape, SEED_TENSOR=per_row["seed"], STEP_TENSOR=per_row["step"],
-                    TOP_K_FIRST=self.filter_order == "top_k_first", GATHER=gather,
+                    TOP_K_FIRST=self.filter_order == "top_k_first", GATHER=gather, SPREAD=spread,
                     CB=triton.next_power_of_2(self.n_chunks), BLOCK=self.block, SELECT_BLOCK=self.select_block),
                self.finish_warps, dev)
         return out

@@ -285,6 +285,21 @@ def test_backends_agree():
             assert torch.equal(a, b), f"V={vocab} {kw}: torch {a.tolist()} interpret {b.tolist()}"
 
 
+def test_backends_agree_on_flat_rows_whose_walk_spans_chunks():
+    # Flat rows without top_k: the candidates do not decide them (ROW_STATE_PASS1), so the first
+    # pass and the walk's first check run over all three chunks of each row, the check's sum
+    # spread over the finish launch's programs; a row with top_p 1 or a top_k is drawn by one.
+    gen = torch.Generator().manual_seed(77)
+    x = randn((5, 9000), gen, scale=0.3)
+    configs = [dict(temperature=1.0, top_p=0.5), dict(temperature=0.7, top_p=0.95, min_p=0.01),
+               dict(temperature=1.0, top_k=torch.tensor([0, 0, 20, 0, 0]),
+                    top_p=torch.tensor([0.9, 1.0, 0.9, 0.3, 0.99]))]
+    for kw in configs:
+        a = sample(x, seed=5, step=torch.arange(5), backend="torch", **kw)
+        b = sample(x, seed=5, step=torch.arange(5), backend="interpret", **kw)
+        assert torch.equal(a, b), f"{kw}: torch {a.tolist()} interpret {b.tolist()}"
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("vocab", [32000, 128256, 151936])
