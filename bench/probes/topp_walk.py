@@ -42,14 +42,14 @@ def main(path: str) -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 kernels.sample(x, **kw, seed=seed, step=0)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(100):
-            e0.record(stream)
-            graph.replay()
-            e1.record(stream)
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(100):
+                e0.record(stream)
+                graph.replay()  # on the current stream: this one
+                e1.record(stream)
+                e1.synchronize()
+                times.append(e0.elapsed_time(e1) * 1e3)
         out[name] = round(statistics.median(times), 1)
         print(f"{name:40s} {out[name]:8.1f} us", flush=True)
     with open(path, "w") as f:
