@@ -14,12 +14,10 @@ noise. The passes run over the row's candidate list when that list provably hold
 the answer depends on (see ``_finish_row``), else over the whole row.
 
 For rows the merge marked ROW_STATE_PASS1 the first pass (the winner over every token) was
-run in parallel by the gather launch: the row's program only merges the chunks' winners. When
-such a row has top_p, its walk's first check (the mass above that winner) is spread too: the
-launch runs a program per row and chunk (``SPREAD``, where the plan's parameters allow such
-rows), each chunk sums its part,
-and the row's last chunk to finish (an atomic ticket, as in the merge) draws. Otherwise one
-program a row draws and the others leave at once.
+run in parallel by the gather launch: the row's program only merges the chunks' winners
+(:func:`pass1_winner`). When such a row has top_p, the check launch (``_sampling_check.py``)
+has also summed, chunk by chunk, the mass above that winner: the walk's first check, which
+otherwise would be a pass of this one program over the whole row.
 """
 
 from __future__ import annotations
@@ -95,7 +93,7 @@ def _source_pass(use_cand, cx_ptr, ci_ptr, count, x_row_ptr, x_col_stride, n_col
 
 
 @triton.jit
-def _pass1_winner(ws_ptr, row, n_chunks, o_p1s, o_p1i, IS_F64: tl.constexpr, CB: tl.constexpr):
+def pass1_winner(ws_ptr, row, n_chunks, o_p1s, o_p1i, IS_F64: tl.constexpr, CB: tl.constexpr):
     """The row's first-pass winner (index, key) from its chunks' winners: lowest index on equal scores."""
     c = tl.arange(0, CB)
     slot = row * n_chunks + c
@@ -148,7 +146,7 @@ def _finish_row(out_ptr, ws_ptr, x_row, x_col_stride, row, n_cols, n_chunks, pas
         use_cand = k_on | (count == n_cols) | ((p < 1) & (mass >= p * z)) | ((min_p > 0) & (w_bound < min_p))
     if (use_cand == 0) & pass1:
         # No top_k here, so t_k = 0.
-        winner, winner_key = _pass1_winner(ws_ptr, row, n_chunks, o_p1s, o_p1i, IS_F64, CB)
+        winner, winner_key = pass1_winner(ws_ptr, row, n_chunks, o_p1s, o_p1i, IS_F64, CB)
     if (use_cand == 0) & (pass1 == 0):
         if k_on:
             t_k = row_select_key(x_row, x_col_stride, n_cols, k, m, scale, False, IS_F64, SELECT_BLOCK)
@@ -182,10 +180,9 @@ def _finish(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride,
             mp_arg, mp_stride, seed_arg, seed_hi, seed_stride, step_arg, step_hi, step_stride, n_rows, n_cols,
             T_TENSOR: tl.constexpr, K_TENSOR: tl.constexpr, P_TENSOR: tl.constexpr, MP_TENSOR: tl.constexpr,
             SEED_TENSOR: tl.constexpr, STEP_TENSOR: tl.constexpr, IS_F64: tl.constexpr, TOP_K_FIRST: tl.constexpr,
-            GATHER: tl.constexpr, SPREAD: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr, CB: tl.constexpr,
+            GATHER: tl.constexpr, CHECKED: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr, CB: tl.constexpr,
             BLOCK: tl.constexpr, SELECT_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
     n_chunks = tl.cdiv(n_cols, CH)
     o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i = ws_offsets(
         n_rows, n_chunks, NG, IS_F64)
@@ -195,37 +192,17 @@ def _finish(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride,
     t, k, p, min_p, k_neg = row_params(row, n_cols, t_arg, t_stride, k_arg, k_stride, p_arg, p_stride, mp_arg,
                                        mp_stride, T_TENSOR, K_TENSOR, P_TENSOR, MP_TENSOR)
     pass1 = state == ROW_STATE_PASS1
-    # With one program per row and chunk (SPREAD), the chunks of a first-pass row with top_p sum
-    # their part of the mass above the first-pass winner; the row's last chunk to finish draws.
-    # Every other row is drawn by its first chunk's program alone.
-    if SPREAD:
+    # Where the plan ran the check launch (CHECKED), a first-pass row with top_p has the mass
+    # above its first-pass winner summed by chunks: the walk's first check.
+    above = to_compute(tl.zeros([], tl.float32), IS_F64)
+    if CHECKED:
         checked = pass1 & (p < 1)
+        if checked:
+            c = tl.arange(0, CB)
+            parts = ct_ptr_of(ws_ptr, ws_check_offset(o_p1i, n_rows, n_chunks), IS_F64) + row * n_chunks
+            above = tl.sum(tl.load(parts + c, mask=c < n_chunks, other=0.0), axis=0)
     else:
         checked = state < 0  # never
-    if (checked == 0) & (chunk > 0):
-        return
-    above = to_compute(tl.zeros([], tl.float32), IS_F64)
-    if checked:
-        m = tl.load(ct_ptr_of(ws_ptr, o_rowf, IS_F64) + 2 * row)
-        winner, winner_key = _pass1_winner(ws_ptr, row, n_chunks, o_p1s, o_p1i, IS_F64, CB)
-        cols = chunk * CH + tl.arange(0, CH)
-        mask = cols < n_cols
-        x = to_compute(tl.load(x_ptr + row * x_row_stride + cols.to(tl.int64) * x_col_stride, mask=mask,
-                               other=float("-inf")), IS_F64)
-        # The terms of _walk_pass's mass, summed over this chunk.
-        inside = mask & (order_key(x, IS_F64) >= winner_key + 1)
-        part = tl.sum(tl.where(inside, tl.exp2(log2_weight(x, m, 1.4426950408889634 / t)), 0.0), axis=0)
-        parts = ct_ptr_of(ws_ptr, ws_check_offset(o_p1i, n_rows, n_chunks), IS_F64) + row * n_chunks
-        tl.store(parts + chunk, part)
-        # Last program of the row: every thread's stores, then one release-acquire ticket (the
-        # merge left the row's ticket at zero, and so does this).
-        tl.debug_barrier()
-        tickets = ws_ptr_of(ws_ptr, 0, tl.int32)
-        if tl.atomic_add(tickets + row, 1, sem="acq_rel") != n_chunks - 1:
-            return
-        tl.store(tickets + row, 0)
-        c = tl.arange(0, CB)
-        above = tl.sum(tl.load(parts + c, mask=c < n_chunks, other=0.0, cache_modifier=".cg"), axis=0)
     s_lo, s_hi = u64_halves(seed_arg, seed_hi, row, seed_stride, SEED_TENSOR)
     c_lo, c_hi = u64_halves(step_arg, step_hi, row, step_stride, STEP_TENSOR)
     k0, k1 = row_keys(s_lo, s_hi, c_lo, c_hi)

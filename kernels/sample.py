@@ -2,7 +2,9 @@
 
 The Triton path is three launches: statistics and per-row merge over (rows x chunks of the
 vocabulary, ``_sampling_chunks.py``), candidate gather over the same grid
-(``_sampling_gather.py``), and the draw, a program per row (``_sampling_finish.py``). Greedy is
+(``_sampling_gather.py``), and the draw, a program per row (``_sampling_finish.py``); without a
+top_k in reach and with top_p, a fourth over the chunks before the draw sums its walk's first
+check (``_sampling_check.py``). Greedy is
 the first alone; ``random_val`` mode (``_sampling_random_val.py``) replaces the other two.
 Launches skip ``JITFunction.run`` once compiled (``_sampling_launch.py``). Two ideas:
 
@@ -30,6 +32,7 @@ import triton
 
 from ._backend import resolve_backend
 from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_same_device, plan_cache
+from ._sampling_check import _check
 from ._sampling_chunks import _stats_merge, workspace_layout
 from ._sampling_finish import _finish
 from ._sampling_gather import _gather
@@ -54,6 +57,8 @@ MAX_GROUPS = 512
 # The gather launch's tile holds 32 values a thread at 4 warps and 128 registers (ptxas), which
 # caps it at 4 programs an SM; 8 warps halve the per-thread tile (80 registers).
 GATHER_WARPS = 8
+# The check launch sums one chunk a program: 4096 values, 32 a thread at 4 warps.
+CHECK_WARPS = 4
 
 
 def chunk_settings(n_cols: int) -> tuple[int, int, int]:
@@ -133,7 +138,7 @@ class SamplePlan:
         self.workspace_size = 0
         if self.backend != "torch":
             self.workspace_size = workspace_layout(self.n_rows, self.n_chunks, self.n_groups, 8 if self.is_f64 else 4)
-            self.kernels = [FastLauncher(k, self.backend) for k in (_stats_merge, _gather, _finish, _random_val)]
+            self.kernels = [FastLauncher(k, self.backend) for k in (_stats_merge, _gather, _check, _finish, _random_val)]
             self.device_index = logits.device.index or 0
 
     def __call__(self, logits: torch.Tensor, out: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -142,7 +147,7 @@ class SamplePlan:
             return out
         if self.backend == "torch":
             return self._reference(logits, out, temperature, top_k, top_p, min_p, seed, step, random_val)
-        stats_merge, gather_kernel, finish, random_val_kernel = self.kernels
+        stats_merge, gather_kernel, check, finish, random_val_kernel = self.kernels
         n_cols, per_row = self.n_cols, self.per_row
         if workspace is None:
             ws, n_rows = self._workspace(logits.device)
@@ -191,13 +196,17 @@ class SamplePlan:
         elif gather or k_off:
             gather_kernel(grid2, gather_args, dict(gather_flags, GATHER=gather, WITH_PASS1=k_off), GATHER_WARPS, dev)
         # Rows can have run the first pass (ROW_STATE_PASS1) only without a top_k in reach; with
-        # top_p, their walk's first check is spread over the row's chunks (_sampling_finish.py).
-        spread = k_off and (per_row["top_p"] or top_p < 1)
-        finish((grid_rows, self.n_chunks) if spread else (grid_rows,),
-               (out, ws, logits, rs, cs, *t, *k, *p, *mp, *seeds, n_rows, n_cols),
+        # top_p, their walk's first check is summed by chunks (_sampling_check.py).
+        checked = k_off and (per_row["top_p"] or top_p < 1)
+        cb = triton.next_power_of_2(self.n_chunks)
+        if checked:
+            check((grid_rows, self.n_chunks), (ws, logits, rs, cs, *t, *p, n_rows, n_cols),
+                  dict(T_TENSOR=per_row["temperature"], P_TENSOR=per_row["top_p"], IS_F64=self.is_f64, CH=self.chunk,
+                       NG=self.groups, CB=cb), CHECK_WARPS, dev)
+        finish((grid_rows,), (out, ws, logits, rs, cs, *t, *k, *p, *mp, *seeds, n_rows, n_cols),
                dict(shape, SEED_TENSOR=per_row["seed"], STEP_TENSOR=per_row["step"],
-                    TOP_K_FIRST=self.filter_order == "top_k_first", GATHER=gather, SPREAD=spread,
-                    CB=triton.next_power_of_2(self.n_chunks), BLOCK=self.block, SELECT_BLOCK=self.select_block),
+                    TOP_K_FIRST=self.filter_order == "top_k_first", GATHER=gather, CHECKED=checked,
+                    CB=cb, BLOCK=self.block, SELECT_BLOCK=self.select_block),
                self.finish_warps, dev)
         return out
 

@@ -287,8 +287,8 @@ def test_backends_agree():
 
 def test_backends_agree_on_flat_rows_whose_walk_spans_chunks():
     # Flat rows without top_k: the candidates do not decide them (ROW_STATE_PASS1), so the first
-    # pass and the walk's first check run over all three chunks of each row, the check's sum
-    # spread over the finish launch's programs; a row with top_p 1 or a top_k is drawn by one.
+    # pass and the walk's first check run over all three chunks of each row (the check launch,
+    # kernels/_sampling_check.py); a row with top_p 1 or a top_k has no check launch's part.
     gen = torch.Generator().manual_seed(77)
     x = randn((5, 9000), gen, scale=0.3)
     configs = [dict(temperature=1.0, top_p=0.5), dict(temperature=0.7, top_p=0.95, min_p=0.01),
