@@ -5,9 +5,11 @@ A row without top_k whose candidate list may not decide it (ROW_STATE_PASS1) sta
 from the first-pass winner and checks whether the mass strictly above that winner reaches
 top_p of the row's (``_sampling_finish.py``). Done by the row's finish program alone that is a
 pass of one program over the whole row: on the H100 about 20 us for a 128K-token row, and for
-a 256-row batch a pass at a program per row. Here each chunk's program (grid rows x chunks,
-``_sampling_chunks``' chunks) merges the chunks' winners as the finish does and writes its
-chunk's part of that mass; the finish adds the parts. The terms are ``_walk_pass``'s, summed in
+a 256-row batch a pass at a program per row. Here the programs (grid rows x groups of
+``per_program`` of ``_sampling_chunks``' chunks) merge the chunks' winners as the finish does
+and write each chunk's part of that mass; the finish adds the parts. A chunk a program for a
+few rows (the latency case); for many, a few chunks a program keep the grid near
+``CHECK_PROGRAMS`` (kernels/sample.py), since most programs of a batch with top_k leave at once. The terms are ``_walk_pass``'s, summed in
 chunks of a width that depends on the vocabulary alone, so a row's sum does not change with its
 batch. Other rows' programs leave at once.
 """
@@ -24,12 +26,11 @@ from ._sampling_select import log2_weight, order_key, to_compute
 
 
 @launchable
-@triton.jit(do_not_specialize=["t_stride", "p_stride", "n_rows"])
-def _check(ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, p_arg, p_stride, n_rows, n_cols,
+@triton.jit(do_not_specialize=["t_stride", "p_stride", "n_rows", "per_program"])
+def _check(ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, p_arg, p_stride, n_rows, n_cols, per_program,
            T_TENSOR: tl.constexpr, P_TENSOR: tl.constexpr, IS_F64: tl.constexpr, CH: tl.constexpr,
            NG: tl.constexpr, CB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
     n_chunks = tl.cdiv(n_cols, CH)
     o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i = ws_offsets(
         n_rows, n_chunks, NG, IS_F64)
@@ -41,10 +42,14 @@ def _check(ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, p_arg, p_
     t = row_param(t_arg, row, t_stride, T_TENSOR, tl.float32)
     m = tl.load(ct_ptr_of(ws_ptr, o_rowf, IS_F64) + 2 * row)
     winner, winner_key = pass1_winner(ws_ptr, row, n_chunks, o_p1s, o_p1i, IS_F64, CB)
-    cols = chunk * CH + tl.arange(0, CH)
-    mask = cols < n_cols
-    x = to_compute(tl.load(x_ptr + row * x_row_stride + cols.to(tl.int64) * x_col_stride, mask=mask,
-                           other=float("-inf")), IS_F64)
-    inside = mask & (order_key(x, IS_F64) >= winner_key + 1)
-    part = tl.sum(tl.where(inside, tl.exp2(log2_weight(x, m, 1.4426950408889634 / t)), 0.0), axis=0)
-    tl.store(ct_ptr_of(ws_ptr, ws_check_offset(o_p1i, n_rows, n_chunks), IS_F64) + row * n_chunks + chunk, part)
+    scale = 1.4426950408889634 / t
+    parts = ct_ptr_of(ws_ptr, ws_check_offset(o_p1i, n_rows, n_chunks), IS_F64) + row * n_chunks
+    for j in range(0, per_program):
+        chunk = tl.program_id(1) * per_program + j
+        cols = chunk * CH + tl.arange(0, CH)
+        mask = cols < n_cols
+        x = to_compute(tl.load(x_ptr + row * x_row_stride + cols.to(tl.int64) * x_col_stride, mask=mask,
+                               other=float("-inf")), IS_F64)
+        inside = mask & (order_key(x, IS_F64) >= winner_key + 1)
+        part = tl.sum(tl.where(inside, tl.exp2(log2_weight(x, m, scale)), 0.0), axis=0)
+        tl.store(parts + chunk, part, mask=chunk < n_chunks)

@@ -57,8 +57,11 @@ MAX_GROUPS = 512
 # The gather launch's tile holds 32 values a thread at 4 warps and 128 registers (ptxas), which
 # caps it at 4 programs an SM; 8 warps halve the per-thread tile (80 registers).
 GATHER_WARPS = 8
-# The check launch sums one chunk a program: 4096 values, 32 a thread at 4 warps.
+# The check launch sums a chunk at a time: 4096 values, 32 a thread at 4 warps; with as many
+# chunks a program as keep its grid within CHECK_PROGRAMS (a 256-row batch of 32 chunks a row:
+# 4 a program), since in a batch with top_k most programs only read their row's state and leave.
 CHECK_WARPS = 4
+CHECK_PROGRAMS = 2048
 
 
 def chunk_settings(n_cols: int) -> tuple[int, int, int]:
@@ -200,7 +203,9 @@ class SamplePlan:
         checked = k_off and (per_row["top_p"] or top_p < 1)
         cb = triton.next_power_of_2(self.n_chunks)
         if checked:
-            check((grid_rows, self.n_chunks), (ws, logits, rs, cs, *t, *p, n_rows, n_cols),
+            # Chunks a program: a power of two that keeps the grid within CHECK_PROGRAMS.
+            per = min(triton.next_power_of_2(triton.cdiv(grid_rows * self.n_chunks, CHECK_PROGRAMS)), cb)
+            check((grid_rows, triton.cdiv(self.n_chunks, per)), (ws, logits, rs, cs, *t, *p, n_rows, n_cols, per),
                   dict(T_TENSOR=per_row["temperature"], P_TENSOR=per_row["top_p"], IS_F64=self.is_f64, CH=self.chunk,
                        NG=self.groups, CB=cb), CHECK_WARPS, dev)
         finish((grid_rows,), (out, ws, logits, rs, cs, *t, *k, *p, *mp, *seeds, n_rows, n_cols),

@@ -285,10 +285,13 @@ def test_backends_agree():
             assert torch.equal(a, b), f"V={vocab} {kw}: torch {a.tolist()} interpret {b.tolist()}"
 
 
-def test_backends_agree_on_flat_rows_whose_walk_spans_chunks():
+@pytest.mark.parametrize("check_programs", [2048, 4])
+def test_backends_agree_on_flat_rows_whose_walk_spans_chunks(monkeypatch, check_programs):
     # Flat rows without top_k: the candidates do not decide them (ROW_STATE_PASS1), so the first
     # pass and the walk's first check run over all three chunks of each row (the check launch,
-    # kernels/_sampling_check.py); a row with top_p 1 or a top_k has no check launch's part.
+    # kernels/_sampling_check.py: a chunk a program, or with a grid of 4 programs at most, four
+    # chunks a program, the fourth past the row); a row with top_p 1 or a top_k has no check.
+    monkeypatch.setattr(sample_module, "CHECK_PROGRAMS", check_programs)
     gen = torch.Generator().manual_seed(77)
     x = randn((5, 9000), gen, scale=0.3)
     configs = [dict(temperature=1.0, top_p=0.5), dict(temperature=0.7, top_p=0.95, min_p=0.01),
