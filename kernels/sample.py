@@ -14,7 +14,8 @@ Launches skip ``JITFunction.run`` once compiled (``_sampling_launch.py``). Two i
 - Every filter keeps the tokens at or above some value, so the kept set is decided by a few
   thresholds. A bound ``L`` on the k-th largest logit gathers a short candidate list that holds
   every token above it; with top-k (or a peaked distribution) the thresholds and the draw come
-  from that list. Otherwise the last kernel walks the row (see ``_sampling_finish.py``).
+  from that list. Otherwise the last kernel walks the row (see ``_sampling_finish.py``), its
+  first check summed over the row's chunks by a launch of its own (``_sampling_check.py``).
 
 Per-row parameter tensors on the CPU are checked on the host (``ValueError``). On CUDA their
 values are checked inside the merge kernel instead, since reading them back would cost a device
