@@ -86,8 +86,8 @@ def ws_offsets(n_rows, n_chunks, NG: tl.constexpr, IS_F64: tl.constexpr):
 
 @triton.jit
 def ws_check_offset(o_p1i, n_rows, n_chunks):
-    """Byte offset of the finish launch's partial masses (one per row and chunk: the first check
-    of the walk, computed by every chunk), after the first-pass (index, key) pairs."""
+    """Byte offset of the check launch's parts of the walk's first check (one mass per row and
+    chunk, ``_sampling_check.py``), after the first-pass (index, key) pairs."""
     return o_p1i + _align16(16 * tl.cast(n_rows, tl.int64) * n_chunks)
 
 
