@@ -9,6 +9,7 @@
     source scripts/device_env.sh; python3 bench/probes/keep_warm.py   # a lone call after idle, kept warm or not
     source scripts/device_env.sh; python3 bench/probes/kernel_copy.py # graph copies by memcpy node or by kernel
     source scripts/device_env.sh; python3 bench/probes/http2_options.py 10 300 256551  # echo with HTTP/2 options
+    source scripts/device_env.sh; python3 bench/probes/topp_walk.py OUT.json  # sample GPU times where the walk checks; tokens
 
 and one of the CPU device's sampler (the dev machine, with this checkout on ``PYTHONPATH``):
 
