@@ -3,15 +3,15 @@ summed chunk by chunk.
 
 A row without top_k whose candidate list may not decide it (ROW_STATE_PASS1) starts its walk
 from the first-pass winner and checks whether the mass strictly above that winner reaches
-top_p of the row's (``_sampling_finish.py``). Done by the row's finish program alone that is a
-pass of one program over the whole row: on the H100 about 20 us for a 128K-token row, and for
-a 256-row batch a pass at a program per row. Here the programs (grid rows x groups of
-``per_program`` of ``_sampling_chunks``' chunks) merge the chunks' winners as the finish does
-and write each chunk's part of that mass; the finish adds the parts. A chunk a program for a
-few rows (the latency case); for many, a few chunks a program keep the grid near
-``CHECK_PROGRAMS`` (kernels/sample.py), since most programs of a batch with top_k leave at once. The terms are ``_walk_pass``'s, summed in
-chunks of a width that depends on the vocabulary alone, so a row's sum does not change with its
-batch. Other rows' programs leave at once.
+top_p of the row's (``_sampling_finish.py``). In the row's finish program alone that check is
+a pass of one program over the whole row: on the H100 about 20 us for a 128K-token row.
+
+Here each program (grid rows x groups of ``per_program`` chunks of ``_sampling_chunks``) merges
+the chunks' winners as the finish does and writes each of its chunks' part of that mass; the
+finish adds the parts. A chunk a program for a few rows (the latency case); for many, a few
+chunks a program keep the grid near ``CHECK_PROGRAMS`` (kernels/sample.py), since in a batch
+with top_k most programs leave at once. The terms are ``_walk_pass``'s, summed in chunks of a
+width that depends on the vocabulary alone, so a row's sum does not change with its batch.
 """
 
 from __future__ import annotations

@@ -137,12 +137,14 @@ class SamplePlan:
         self.is_f64 = logits.dtype == torch.float64
         self.chunk, self.groups, self.warps = chunk_settings(self.n_cols)
         self.n_chunks = triton.cdiv(self.n_cols, self.chunk)
+        self.chunk_block = triton.next_power_of_2(self.n_chunks)  # a row's chunks as one block (CB)
         self.n_groups = self.n_chunks * self.groups
         self.block, self.select_block, self.finish_warps = finish_settings(self.n_cols)
         self.workspace_size = 0
         if self.backend != "torch":
             self.workspace_size = workspace_layout(self.n_rows, self.n_chunks, self.n_groups, 8 if self.is_f64 else 4)
-            self.kernels = [FastLauncher(k, self.backend) for k in (_stats_merge, _gather, _check, _finish, _random_val)]
+            self.kernels = [FastLauncher(k, self.backend)
+                            for k in (_stats_merge, _gather, _check, _finish, _random_val)]
             self.device_index = logits.device.index or 0
 
     def __call__(self, logits: torch.Tensor, out: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -177,7 +179,7 @@ class SamplePlan:
         rv = _arg(0.0 if random_val is None else random_val, float)
         stats_merge(grid2, (out, ws, logits, rs, cs, *t, *k, *p, *mp, *rv, n_rows, n_cols),
                     dict(shape, RV_MODE=self.random_val_mode, RV_TENSOR=per_row["random_val"],
-                         CB=triton.next_power_of_2(self.n_chunks), SELECT_BLOCK=self.select_block,
+                         CB=self.chunk_block, SELECT_BLOCK=self.select_block,
                          WITH_SOFTMAX=not greedy, WITH_GROUPS=gather,
                          WITH_ARGMAX=greedy or per_row["temperature"] or per_row["top_k"]), self.warps, dev)
         if greedy:
@@ -202,7 +204,7 @@ class SamplePlan:
         # Rows can have run the first pass (ROW_STATE_PASS1) only without a top_k in reach; with
         # top_p, their walk's first check is summed by chunks (_sampling_check.py).
         checked = k_off and (per_row["top_p"] or top_p < 1)
-        cb = triton.next_power_of_2(self.n_chunks)
+        cb = self.chunk_block
         if checked:
             # Chunks a program: a power of two that keeps the grid within CHECK_PROGRAMS.
             per = min(triton.next_power_of_2(triton.cdiv(grid_rows * self.n_chunks, CHECK_PROGRAMS)), cb)

@@ -7,13 +7,14 @@ loop, so the launch thread's host work, not the GPU, sets the pace (bench/servic
 
 A :class:`CapturedLaunch` is one op's launch for one batch size, captured once together with
 its inputs' copy to the device and its outputs' copy back (kernels reading and writing the
-page-locked buffers: kernel_copy.py), over a static page-locked buffer and a static device buffer. A batch is padded up to the next power of two of its rows
-(:func:`bucket_rows`), so a few graphs per op key serve every batch; the padding rows hold
-whatever an earlier batch left there, and their outputs are never read. :class:`LaunchGraphs`
-keeps them per (key, bucket), captured on first use and dropped least recently used beyond a
-byte budget of page-locked memory. A graph is captured on the device's launch thread (the
-first run compiles); a replay starts on the launch thread or on the event loop, as the launch's
-``wait`` says (:meth:`.device.DeviceHandle.launch`).
+page-locked buffers: kernel_copy.py), over a static page-locked buffer and a static device
+buffer. A batch is padded up to the next power of two of its rows (:func:`bucket_rows`), so a
+few graphs per op key serve every batch; the padding rows hold whatever an earlier batch left
+there, and their outputs are never read. :class:`LaunchGraphs` keeps them per (key, bucket),
+captured on first use and dropped least recently used beyond a byte budget of page-locked
+memory. A graph is captured on the device's launch thread (the first run compiles); a replay
+starts on the launch thread or on the event loop, as the launch's ``wait`` says
+(:meth:`.device.DeviceHandle.launch`).
 
 A captured launch replays what the launch function did while it was captured: only its input
 tensors' contents change between replays, so the function must depend on nothing but its
