@@ -39,7 +39,11 @@ many rounds it was faster.
   submit, of which run_batch, of which the device's launch, of which the graph's start and wait
   (stage, replay), reply, the whole handler) and
   writes their medians to ``$LOGITSERVE_TIMED_DIR/<variant>.json`` when the server exits; run it
-  at concurrency 1 (the handler replaces Sample's, and a loaded server mixes the paths).
+  at concurrency 1 (the handler replaces Sample's, and a loaded server mixes the paths);
+- ``cputime``: for each call, from the start of its parse to the end of its handler, the wall
+  time against the CPU time of the thread that ran it and that thread's context switches
+  (voluntary and not), medians to ``$LOGITSERVE_TIMED_DIR/<variant>.json``: is a slow call's
+  code slow, or is its thread off the CPU part of the time?
 
 ``full#2`` is a second server of variant ``full``: two servers of one variant measure how far
 servers differ by where the OS places them (A/A). ``--server-cpus`` and ``--client-cpus`` pin
@@ -106,6 +110,8 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
         batcher.Batcher._has_server_to_itself = lambda self: False
     if "timed" in variants:
         _time_pieces(os.path.join(os.environ["LOGITSERVE_TIMED_DIR"], "+".join(sorted(variants)) + ".json"))
+    if "cputime" in variants:
+        _time_cpu(os.path.join(os.environ["LOGITSERVE_TIMED_DIR"], "+".join(sorted(variants)) + ".json"))
     if "bare" in variants:
         _bare_sample(servicer, ops)
     if "armed" in variants:
@@ -334,6 +340,62 @@ def _time_pieces(path: str) -> None:
         medians["calls"] = len(spans.get("handler", ()))
         with open(path, "w") as f:
             json.dump(medians, f)
+    atexit.register(write)
+
+
+def _time_cpu(path: str) -> None:
+    """Per call, from its parse to the end of its handler: wall time, the thread's CPU time and
+    its context switches; medians (and the switches' means) go to ``path`` (JSON) at exit."""
+    import atexit
+    import json
+    import resource
+
+    from logitserve.server import guard
+
+    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
+    started: list[tuple[int, int, int, int]] = []  # the latest parse's start: wall, cpu, switches
+    wall, cpu, voluntary, involuntary = [], [], [], []
+
+    def now():
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        return clock(), cpu_clock(), usage.ru_nvcsw, usage.ru_nivcsw
+
+    tolerant = guard._tolerant
+
+    def timed_tolerant(deserializer):
+        parse = tolerant(deserializer)
+        if parse is None:
+            return None
+
+        def timed(data):
+            started[:] = [now()]
+            return parse(data)
+        return timed
+    guard._tolerant = timed_tolerant
+
+    finish = guard.Guard._finish
+
+    def timed_finish(self, record, t0):
+        if started and record.rpc == "Sample":
+            (w0, c0, v0, i0), (w1, c1, v1, i1) = started[0], now()
+            wall.append(w1 - w0)
+            cpu.append(c1 - c0)
+            voluntary.append(v1 - v0)
+            involuntary.append(i1 - i0)
+            started.clear()
+        return finish(self, record, t0)
+    guard.Guard._finish = timed_finish
+
+    def write() -> None:
+        if not wall:
+            return
+        with open(path, "w") as f:
+            json.dump({"wall us": statistics.median(wall) / 1e3, "thread cpu us": statistics.median(cpu) / 1e3,
+                       "off cpu us (median of wall - cpu)": statistics.median(w - c for w, c in zip(wall, cpu)) / 1e3,
+                       "voluntary switches a call": statistics.mean(voluntary),
+                       "involuntary switches a call": statistics.mean(involuntary),
+                       "calls with a switch": sum(1 for v, i in zip(voluntary, involuntary) if v or i),
+                       "calls": len(wall)}, f)
     atexit.register(write)
 
 

@@ -7,6 +7,7 @@
     source scripts/device_env.sh; python3 bench/probes/gpu_cold.py    # the launch call after a 256 KB write
     source scripts/device_env.sh; python3 bench/probes/armed.py       # a graph launched ahead, let go by a flag
     source scripts/device_env.sh; python3 bench/probes/keep_warm.py   # a lone call after idle, kept warm or not
+    source scripts/device_env.sh; python3 bench/probes/cold_call.py   # the same after sleep, epoll or spin: wall and CPU time
     source scripts/device_env.sh; python3 bench/probes/kernel_copy.py # graph copies by memcpy node or by kernel
     source scripts/device_env.sh; python3 bench/probes/http2_options.py 10 300 256551  # echo with HTTP/2 options
     source scripts/device_env.sh; python3 bench/probes/topp_walk.py OUT.json  # sample GPU times where the walk checks; tokens
