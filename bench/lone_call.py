@@ -80,6 +80,15 @@ class _Context:
         raise RuntimeError(f"{code}: {message}")
 
 
+def guarded_sample(service: app.Service) -> grpc.RpcMethodHandler:
+    """``service``'s Sample handler as the server registers it: guarded, its requests read by the
+    server's own parser, its batcher told the guard's occupancy (the lone-client rules)."""
+    call_guard = guard.Guard(None)
+    service.batcher.occupancy = call_guard.occupancy
+    return call_guard.wrap(SAMPLE, grpc.unary_unary_rpc_method_handler(servicer.LogitServeServicer(service).Sample),
+                           servicer.request_parsers()[SAMPLE])
+
+
 async def measure(calls: int, bare: bool) -> tuple[list[int], int]:
     """Nanoseconds a call, after a tenth of ``calls`` as warm-up, and the collections run."""
     # Every call is a lone client's: no idle time or overlap to wait for between calls.
@@ -90,10 +99,7 @@ async def measure(calls: int, bare: bool) -> tuple[list[int], int]:
     service = app.Service(ServerConfig(device="cpu", port=0))
     handle = service.handle
     handle.graphs, handle.stream, handle._bind = _Graphs(), _Stream(), lambda: None
-    call_guard = guard.Guard(None)
-    service.batcher.occupancy = call_guard.occupancy
-    handler = call_guard.wrap(SAMPLE, grpc.unary_unary_rpc_method_handler(servicer.LogitServeServicer(service).Sample),
-                              servicer.request_parsers()[SAMPLE])
+    handler = guarded_sample(service)
     requests, context = payloads(0)[0].requests, _Context()
     collections = [0]
     gc.callbacks.append(lambda phase, info: collections.__setitem__(0, collections[0] + (phase == "stop")))

@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import random
 import statistics
@@ -244,10 +245,29 @@ def _bare_sample(servicer, ops) -> None:
     servicer.LogitServeServicer.Sample = bare
 
 
+def _patch_call_ends(on_parse, on_handler_end) -> None:
+    """Parse each request with ``on_parse(parse, data)`` (``parse`` the server's own deserializer)
+    and call ``on_handler_end(record, t0)`` as each RPC's handler ends (guard.Guard._finish)."""
+    from logitserve.server import guard
+
+    tolerant = guard._tolerant
+
+    def patched_tolerant(deserializer):
+        parse = tolerant(deserializer)
+        return None if parse is None else functools.partial(on_parse, parse)
+    guard._tolerant = patched_tolerant
+
+    finish = guard.Guard._finish
+
+    def patched_finish(self, record, t0):
+        on_handler_end(record, t0)
+        return finish(self, record, t0)
+    guard.Guard._finish = patched_finish
+
+
 def _time_pieces(path: str) -> None:
     """Time a call's pieces inside the server; their medians go to ``path`` (JSON) at exit."""
     import atexit
-    import functools
     import json
 
     from logitserve.server import device, graphs, guard, ops, servicer
@@ -261,27 +281,15 @@ def _time_pieces(path: str) -> None:
         spans.setdefault(piece, []).append(now - t0)
         return now
 
-    tolerant = guard._tolerant
+    def timed_parse(parse, data):
+        t0 = clock()
+        request = parse(data)
+        parsed[0] = note("parse", t0)
+        return request
 
-    def timed_tolerant(deserializer):
-        parse = tolerant(deserializer)
-        if parse is None:
-            return None
-
-        def timed(data):
-            t0 = clock()
-            request = parse(data)
-            parsed[0] = note("parse", t0)
-            return request
-        return timed
-    guard._tolerant = timed_tolerant
-
-    finish = guard.Guard._finish
-
-    def timed_finish(self, record, t0):
+    def handler_ended(record, t0):
         spans.setdefault("handler", []).append(int((time.perf_counter() - t0) * 1e9))
-        return finish(self, record, t0)
-    guard.Guard._finish = timed_finish
+    _patch_call_ends(timed_parse, handler_ended)
 
     async def timed_sample(self, request, context):
         t = note("parsed to handler", parsed[0])
@@ -350,8 +358,6 @@ def _time_cpu(path: str) -> None:
     import json
     import resource
 
-    from logitserve.server import guard
-
     clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
     started: list[tuple[int, int, int, int]] = []  # the latest parse's start: wall, cpu, switches
     wall, cpu, voluntary, involuntary = [], [], [], []
@@ -360,22 +366,11 @@ def _time_cpu(path: str) -> None:
         usage = resource.getrusage(resource.RUSAGE_THREAD)
         return clock(), cpu_clock(), usage.ru_nvcsw, usage.ru_nivcsw
 
-    tolerant = guard._tolerant
+    def parse_started(parse, data):
+        started[:] = [now()]
+        return parse(data)
 
-    def timed_tolerant(deserializer):
-        parse = tolerant(deserializer)
-        if parse is None:
-            return None
-
-        def timed(data):
-            started[:] = [now()]
-            return parse(data)
-        return timed
-    guard._tolerant = timed_tolerant
-
-    finish = guard.Guard._finish
-
-    def timed_finish(self, record, t0):
+    def handler_ended(record, t0):
         if started and record.rpc == "Sample":
             (w0, c0, v0, i0), (w1, c1, v1, i1) = started[0], now()
             wall.append(w1 - w0)
@@ -383,8 +378,7 @@ def _time_cpu(path: str) -> None:
             voluntary.append(v1 - v0)
             involuntary.append(i1 - i0)
             started.clear()
-        return finish(self, record, t0)
-    guard.Guard._finish = timed_finish
+    _patch_call_ends(parse_started, handler_ended)
 
     def write() -> None:
         if not wall:

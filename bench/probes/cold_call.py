@@ -12,10 +12,10 @@ context switches, and the same for the call's pieces before the launch (parse an
     source scripts/device_env.sh; python3 bench/probes/cold_call.py [calls] [pause_us] [reps]
 """
 import asyncio, json, random, resource, select, statistics, sys, time
-import grpc, numpy as np, torch
+import torch
 from bench import lone_call
 from bench.service import payloads
-from logitserve.server import app, guard, ops, servicer
+from logitserve.server import app, guard
 from logitserve.server.config import ServerConfig
 
 
@@ -32,10 +32,7 @@ async def main(calls: int, pause_us: int, reps: int) -> dict:
     if dev == "cpu":
         handle = service.handle
         handle.graphs, handle.stream, handle._bind = lone_call._Graphs(), lone_call._Stream(), lambda: None
-    call_guard = guard.Guard(None)
-    service.batcher.occupancy = call_guard.occupancy
-    handler = call_guard.wrap(lone_call.SAMPLE, grpc.unary_unary_rpc_method_handler(
-        servicer.LogitServeServicer(service).Sample), servicer.request_parsers()[lone_call.SAMPLE])
+    handler = lone_call.guarded_sample(service)
     requests, context = payloads(0)[0].requests, lone_call._Context()
     epoll = select.epoll()
     marks = {}

@@ -11,7 +11,7 @@ replayed every 100 us, ``launch100``), both, or the whole call run again every 3
     source scripts/device_env.sh; python3 bench/probes/keep_warm.py [calls] [pause_us] [reps]
 """
 import asyncio, json, os, random, select, statistics, sys, time
-import grpc, numpy as np, torch
+import numpy as np, torch
 from bench import lone_call
 from bench.service import payloads
 from logitserve.server import app, guard, ops, servicer
@@ -23,10 +23,7 @@ async def main(calls: int, pause_us: int, reps: int) -> dict:
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     service = app.Service(ServerConfig(device=dev, port=0, warmup_dtypes=("bfloat16",), warmup_widths=(128256,)))
     await service.warm_up()
-    call_guard = guard.Guard(None)
-    service.batcher.occupancy = call_guard.occupancy
-    handler = call_guard.wrap(lone_call.SAMPLE, grpc.unary_unary_rpc_method_handler(
-        servicer.LogitServeServicer(service).Sample), servicer.request_parsers()[lone_call.SAMPLE])
+    handler = lone_call.guarded_sample(service)
     requests, context = payloads(0)[0].requests, lone_call._Context()
     epoll = select.epoll()
     read = servicer.request_parsers()[lone_call.SAMPLE]
