@@ -202,6 +202,16 @@ def _armed_replays(device) -> None:
     DeviceHandle.run, DeviceHandle.close = released_run, released_close
 
 
+def _bare_params(msg, seed: int) -> tuple[bytes, bytes]:
+    """A Sample request's scalar parameters as its graph's float row (temperature, top_p, min_p)
+    and int row (top_k, seed, step), read the bare way: from_pb's defaults, nothing checked."""
+    import struct
+
+    return (struct.pack("<3f", msg.temperature if msg.HasField("temperature") else 1.0,
+                        msg.top_p if msg.HasField("top_p") else 1.0, msg.min_p),
+            struct.pack("<3q", msg.top_k, seed, msg.step))
+
+
 def _bare_sample(servicer, ops) -> None:
     """The Sample handler with the least host work a lone bfloat16 call can take: no validation,
     batcher, lock or result objects; the request's bytes and parameters written straight into the
@@ -215,7 +225,7 @@ def _bare_sample(servicer, ops) -> None:
 
     from logitserve.v1 import logitserve_pb2 as pb
 
-    floats, ints, int64 = struct.Struct("<3f"), struct.Struct("<3q"), struct.Struct("<q")
+    int64 = struct.Struct("<q")
     ordinary = servicer.LogitServeServicer.Sample
 
     async def bare(self, request, context):
@@ -230,9 +240,7 @@ def _bare_sample(servicer, ops) -> None:
         seed = msg.seed if msg.HasField("seed") else secrets.randbits(ops.SEED_BITS)
         logits_at, floats_at, ints_at = graph._part_bytes
         logits_at[:] = data
-        floats.pack_into(floats_at, 0, msg.temperature if msg.HasField("temperature") else 1.0,
-                         msg.top_p if msg.HasField("top_p") else 1.0, msg.min_p)
-        ints.pack_into(ints_at, 0, msg.top_k, seed, msg.step)
+        floats_at[:], ints_at[:] = _bare_params(msg, seed)
         handle._bind()
         graph._graph.replay()
         response = pb.SampleResponse()
@@ -264,7 +272,6 @@ def _early_sample(servicer, ops) -> None:
 
     from logitserve.v1 import logitserve_pb2 as pb
 
-    floats, ints = struct.Struct("<3f"), struct.Struct("<3q")
     per_row = ("temperature_rows", "top_k_rows", "top_p_rows", "min_p_rows", "seed_rows", "step_rows", "random_val")
     ordinary = servicer.LogitServeServicer.Sample
 
@@ -280,9 +287,7 @@ def _early_sample(servicer, ops) -> None:
         if graph is None or len(data) != graph._part_bytes[0].nbytes:
             return await ordinary(self, request, context)
         try:
-            launched = (floats.pack(msg.temperature if msg.HasField("temperature") else 1.0,
-                                    msg.top_p if msg.HasField("top_p") else 1.0, msg.min_p),
-                        ints.pack(msg.top_k, msg.seed, msg.step))
+            launched = _bare_params(msg, msg.seed)
         except (OverflowError, struct.error):  # beyond float32: validation's to answer
             return await ordinary(self, request, context)
         logits_at, floats_at, ints_at = graph._part_bytes
