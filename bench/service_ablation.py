@@ -25,9 +25,6 @@ many rounds it was faster.
   launch call (cudaGraphLaunch) off a lone call's way would gain;
 - ``bare``: a Sample handler that skips validation, the batcher and the launch's bookkeeping
   (:func:`_bare_sample`): how much trimming the handler's Python could gain at most;
-- ``early``: a lone call launched from ``bare``'s reads of its request, then validated in full
-  while the GPU works, answered only if the validated call is what was launched
-  (:func:`_early_sample`): what launching before validating would gain;
 - ``thread`` / ``poll``: every graph replay waited for on the launch thread / polled on the
   event loop (the server polls only a batch that holds every call in the server);
 - ``queued``: every call goes through the batcher's queue (the server launches a lone client's
@@ -38,9 +35,10 @@ many rounds it was faster.
   echo server's; ``echo+busyN`` polls as below);
 - ``busyN``: ``--busy-poll-us N`` (the event loop polls N us before it sleeps; the server's
   default is 0, no polling);
-- ``timed``: times a Sample call's pieces inside the server (parse, parsed to handler, validate,
-  submit, of which run_batch, of which the device's launch, of which the graph's start and wait
-  (stage, replay), reply, the whole handler) and
+- ``timed``: times a Sample call's pieces inside the server (parse, parsed to handler,
+  prelaunch, validate (inside submit's replay for a prelaunched lone call), submit, of which
+  run_batch, of which the device's launch, of which the graph's start and wait (stage, replay),
+  reply, the whole handler) and
   writes their medians to ``$LOGITSERVE_TIMED_DIR/<variant>.json`` when the server exits; run it
   at concurrency 1 (the handler replaces Sample's, and a loaded server mixes the paths);
 - ``cputime``: for each call, from the start of its parse to the end of its handler, the wall
@@ -118,8 +116,6 @@ def serve_patched(variants: set[str], argv: list[str]) -> int:
         _time_cpu(os.path.join(os.environ["LOGITSERVE_TIMED_DIR"], "+".join(sorted(variants)) + ".json"))
     if "bare" in variants:
         _bare_sample(servicer, ops)
-    if "early" in variants:
-        _early_sample(servicer, ops)
     if "armed" in variants:
         _armed_replays(device)
     if "uvloop" in variants:
@@ -166,12 +162,12 @@ def _armed_replays(device) -> None:
     replay_alone, launch, run, close = (DeviceHandle.replay_alone, DeviceHandle.launch, DeviceHandle.run,
                                         DeviceHandle.close)
 
-    async def armed_replay_alone(self, key, parts, wait):
+    async def armed_replay_alone(self, key, parts, wait, meanwhile=None):
         rows = parts[0].shape[0]
         graph = None if self.graphs is None else self.graphs.get(key, rows)
         if graph is None or wait is not Wait.SPIN:
             let_go()
-            return await replay_alone(self, key, parts, wait)
+            return await replay_alone(self, key, parts, wait, meanwhile)
 
         def start(inputs):
             if state["graph"] is graph:  # launched already: write the inputs, then let it go
@@ -182,7 +178,7 @@ def _armed_replays(device) -> None:
                 let_go()
                 graph.start_alone(inputs)
         async with self._lock:
-            await self._replay(start, parts, wait)
+            await self._replay(start, parts, wait, meanwhile)
             outputs = graph.outputs(rows)
         asyncio.get_running_loop().call_soon(arm, self, graph)
         return outputs
@@ -258,54 +254,6 @@ def _bare_sample(servicer, ops) -> None:
     servicer.LogitServeServicer.Sample = bare
 
 
-def _early_sample(servicer, ops) -> None:
-    """The Sample handler launching a lone call before validating it: a seeded bfloat16 request
-    of one row with scalar parameters, when the server serves a lone client, is read the way
-    :func:`_bare_sample` reads it straight into the graph captured for one row and replayed;
-    then, while the GPU works, the ordinary validation (``SampleCall.from_pb``, whose errors are
-    raised once the replay is done) makes the call, and the answer is the replay's only if that
-    call's key and parts are what was launched. Anything else goes the ordinary way. No batcher
-    bookkeeping or device lock: with ``bare``, it bounds what that design could gain."""
-    import struct
-
-    import torch
-
-    from logitserve.v1 import logitserve_pb2 as pb
-
-    per_row = ("temperature_rows", "top_k_rows", "top_p_rows", "min_p_rows", "seed_rows", "step_rows", "random_val")
-    ordinary = servicer.LogitServeServicer.Sample
-
-    async def early(self, request, context):
-        msg, handle, batcher = request.message, self._service.handle, self._service.batcher
-        data = request.tensor_bytes.get("logits")
-        graph = None
-        if (data is not None and handle.graphs is not None and msg.logits.dtype == pb.DTYPE_BFLOAT16
-                and len(msg.logits.shape) == 2 and msg.logits.shape[0] == 1 and msg.HasField("seed")
-                and not any(map(msg.HasField, per_row)) and batcher._has_server_to_itself()):
-            key = ("sample", torch.bfloat16, msg.logits.shape[1], ops.FILTER_ORDERS.get(msg.filter_order), True)
-            graph = handle.graphs.get(key, 1)
-        if graph is None or len(data) != graph._part_bytes[0].nbytes:
-            return await ordinary(self, request, context)
-        try:
-            launched = _bare_params(msg, msg.seed)
-        except (OverflowError, struct.error):  # beyond float32: validation's to answer
-            return await ordinary(self, request, context)
-        logits_at, floats_at, ints_at = graph._part_bytes
-        logits_at[:] = data
-        floats_at[:], ints_at[:] = launched
-        handle._bind()
-        graph._graph.replay()
-        try:
-            call = self._call(ops.SampleCall, request)
-        finally:
-            while not handle.stream.query():
-                pass
-        if call.key != key or call.logits.data is not data or (call.params[0].data, call.params[1].data) != launched:
-            return await ordinary(self, request, context)
-        return ops.SampleResult(graph.outputs(1)[0].tolist(), call.seeds()).to_pb()
-    servicer.LogitServeServicer.Sample = early
-
-
 def _patch_call_ends(on_parse, on_handler_end) -> None:
     """Parse each request with ``on_parse(parse, data)`` (``parse`` the server's own deserializer)
     and call ``on_handler_end(record, t0)`` as each RPC's handler ends (guard.Guard._finish)."""
@@ -331,7 +279,7 @@ def _time_pieces(path: str) -> None:
     import atexit
     import json
 
-    from logitserve.server import device, graphs, guard, ops, servicer
+    from logitserve.server import device, graphs, ops, servicer
 
     spans: dict[str, list[int]] = {}
     clock = time.perf_counter_ns
@@ -354,10 +302,19 @@ def _time_pieces(path: str) -> None:
 
     async def timed_sample(self, request, context):
         t = note("parsed to handler", parsed[0])
-        call = self._call(ops.SampleCall, request)
-        t = note("validate", t)
-        guard.note_rows(call.rows)
-        result = await self._service.batcher.submit(call, timeout=context.time_remaining())
+        prelaunch = ops.SampleCall.prelaunch(request.message, request.tensor_bytes)
+        t = note("prelaunch", t)
+
+        def make_call():
+            t0 = clock()
+            call = self._call(ops.SampleCall, request)
+            note("validate", t0)  # while the replay runs, for a prelaunched lone call
+            return call
+        timeout = context.time_remaining()
+        if prelaunch is None:
+            result = await self._service.batcher.submit(make_call(), timeout=timeout)
+        else:
+            result = await self._service.batcher.submit_prelaunched(prelaunch, make_call, timeout=timeout)
         t = note("submit", t)
         reply = result.to_pb()
         note("reply", t)
@@ -384,9 +341,9 @@ def _time_pieces(path: str) -> None:
     replay = device.DeviceHandle._replay
 
     @functools.wraps(replay)
-    async def timed_replay(self, start, inputs, wait):
+    async def timed_replay(self, start, inputs, wait, meanwhile=None):
         t0 = clock()
-        await replay(self, start, inputs, wait)
+        await replay(self, start, inputs, wait, meanwhile)
         note("start and wait", t0)
     device.DeviceHandle._replay = timed_replay
 

@@ -112,6 +112,34 @@ class Batcher:
             self._wakeup.set()  # a new group (the worker times its delay) or a full one
         return await pending.future
 
+    async def submit_prelaunched(self, prelaunch, make_call: Callable[[], object], *, timeout: float | None = None):
+        """:meth:`submit` of the call ``make_call()`` makes (validating its request, raising what
+        the request breaks), whose launch ``prelaunch`` has read from the request already
+        (ops.Prelaunch). A call that finds the server to itself (as :meth:`submit` would launch
+        at once) replays its graph first and is made while the device works; the replay's result
+        stands if the call made is the one launched, else the call launches again, and what
+        ``make_call`` raises is raised once the replay is done. Any other call is made first and
+        submitted. Validation then runs while the device works instead of before it starts
+        (docs/PERFORMANCE.md has what that saved a lone Sample call on the H100 host)."""
+        if (self._closed or self.before_launch is not None or not self._has_server_to_itself()
+                or (timeout is not None and timeout <= 0)):
+            return await self.submit(make_call(), timeout=timeout)
+        return await self._at_once(self._prelaunched(prelaunch, make_call))
+
+    async def _prelaunched(self, prelaunch, make_call: Callable[[], object]):
+        call = None
+
+        def made_meanwhile() -> None:
+            nonlocal call
+            call = make_call()
+        outputs = await self.handle.replay_alone(prelaunch.key, prelaunch.parts, Wait.SPIN, meanwhile=made_meanwhile)
+        if outputs is None:  # no graph captured for it yet: made first, then launched
+            call = make_call()
+        self._count_launch([call], queue_seconds=[0.0])
+        if outputs is not None and prelaunch.launches(call):
+            return call.lone_result(outputs)
+        return await self._run_alone(call)
+
     def _has_server_to_itself(self) -> bool:
         """Whether the call being submitted is the only one in a server that serves a lone client,
         and no launch is queued or under way: then no one is there to share its launch, and none
@@ -124,18 +152,26 @@ class Batcher:
         """Launch ``call`` alone in the caller's task, its replay waited for by spinning: with the
         graph captured, the handler runs to its answer without yielding to the event loop."""
         self._count_launch([call], queue_seconds=[0.0])
+        return await self._at_once(self._run_alone(call))
+
+    async def _run_alone(self, call):
+        if self.before_launch is not None:
+            await self.handle.run(self.before_launch, [call])
+        result, = await type(call).run_batch([call], self.handle, wait=Wait.SPIN)
+        return result
+
+    async def _at_once(self, launch: Awaitable):
+        """Await ``launch``, a launch made at once in the caller's task: marked under way until
+        it ends, and what it raises handed to ``on_failure`` too."""
         self._launching = True
         try:
-            if self.before_launch is not None:
-                await self.handle.run(self.before_launch, [call])
-            result, = await type(call).run_batch([call], self.handle, wait=Wait.SPIN)
+            return await launch
         except Exception as exc:
             if self.on_failure is not None:
                 await self.on_failure(exc)
             raise
         finally:
             self._launch_ended()
-        return result
 
     def _launch_ended(self) -> None:
         """A launch (the worker's, or one at once; ``_launching`` marks it under way) has ended:

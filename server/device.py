@@ -153,30 +153,43 @@ class DeviceHandle:
                     return graph.outputs(rows)
             return await self.submit(self._launch_eagerly, rows, stage_for, launch)
 
-    async def replay_alone(self, key, parts: tuple[HostTensor, ...], wait: Wait) -> list[np.ndarray] | None:
+    async def replay_alone(self, key, parts: tuple[HostTensor, ...], wait: Wait,
+                           meanwhile: Callable[[], None] | None = None) -> list[np.ndarray] | None:
         """:meth:`launch` for a batch of one call whose ``parts`` (its staged pieces, one per part,
         dim 0 its rows) fill the graph captured for ``key`` at their rows: written straight into
         the graph's input buffer, with no staging, layout or closures to build. The path of a
         call that finds the server idle. None when no graph was captured for them (graphs off,
-        rows not a power of two, or not yet replayed): then the call goes through :meth:`launch`."""
+        rows not a power of two, or not yet replayed): then the call goes through :meth:`launch`.
+
+        ``meanwhile()``, when given, runs once the replay is queued, while the device works (not
+        with ``Wait.THREAD``); what it raises is raised once the replay is done.
+        """
         rows = parts[0].shape[0]
         graph = None if self.graphs is None else self.graphs.get(key, rows)
         if graph is None:
             return None
         async with self._lock:
-            await self._replay(graph.start_alone, parts, wait)
+            await self._replay(graph.start_alone, parts, wait, meanwhile)
             return graph.outputs(rows)
 
-    async def _replay(self, start: Callable, inputs, wait: Wait) -> None:
-        """``start(inputs)`` queues a graph's replay; wait for it as ``wait`` says."""
+    async def _replay(self, start: Callable, inputs, wait: Wait, meanwhile: Callable[[], None] | None = None) -> None:
+        """``start(inputs)`` queues a graph's replay; wait for it as ``wait`` says, running
+        ``meanwhile()`` first where given (see :meth:`replay_alone`)."""
         if wait is Wait.THREAD:
+            if meanwhile is not None:
+                raise ValueError("meanwhile: needs a replay waited for on the event loop, not Wait.THREAD")
             await self.submit(start, inputs)  # the thread waits for the stream
-        else:
-            self._bind()
-            start(inputs)
+            self.graphs.replays += 1
+            return
+        self._bind()
+        start(inputs)
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        finally:  # the replay owns its buffers until it is done, whatever meanwhile raised
             if not (wait is Wait.SPIN and self._spun()):
                 await self._polled()
-        self.graphs.replays += 1
+            self.graphs.replays += 1
 
     def _spun(self) -> bool:
         """Spin on the stream, holding the event loop, for up to SPIN_LIMIT_S; whether it is done."""

@@ -9,6 +9,10 @@ replays (:meth:`.device.DeviceHandle.launch`, waited for as ``wait`` says; a lon
 pieces straight into its captured graph, :meth:`.device.DeviceHandle.replay_alone`), the others
 with torch on its launch thread. Results turn back into messages with ``to_pb``. Protobuf stops
 here: the kernels only see torch tensors.
+
+``SampleCall.prelaunch`` reads what a lone Sample call would launch from its request without
+validating it (:class:`Prelaunch`), so that the call can replay while ``from_pb`` validates it
+(server/batcher.py, ``Batcher.submit_prelaunched``).
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from logitserve.v1 import logitserve_pb2 as pb
 from .device import Wait
 from .errors import TooLarge
 from .staging import Staging, to_host
-from .tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, decode, from_array, from_torch, pack,
-                      rows_values, tensor_field)
+from .tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, TORCH_DTYPES, HostTensor, decode, from_array, from_torch,
+                      pack, rows_values, tensor_field)
 
 MAX_RANK = 8
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -256,12 +260,47 @@ class SampleCall:
         return (self.logits, *self.params)
 
     @staticmethod
+    def prelaunch(msg: pb.SampleRequest, in_place: Mapping[str, memoryview]) -> "Prelaunch | None":
+        """What a call of ``msg`` would launch, read from the request without validating it (see
+        :class:`Prelaunch`): for a request with a seed, scalar parameters, no random_val and its
+        logits read in place, whose sizes agree; None for any other.
+
+        The defaults are from_pb's, and the parts are packed as from_pb packs them; were they
+        ever not, the call made would not match and would launch again (Prelaunch.launches).
+        """
+        data = in_place.get("logits")
+        has = msg.HasField
+        if (data is None or not has("seed") or has("random_val") or has("temperature_rows") or has("top_k_rows")
+                or has("top_p_rows") or has("min_p_rows") or has("seed_rows") or has("step_rows")):
+            return None
+        logits = msg.logits
+        dtype, shape, filter_order = TORCH_DTYPES.get(logits.dtype), logits.shape, FILTER_ORDERS.get(msg.filter_order)
+        if dtype not in FLOATS or len(shape) != 2 or filter_order is None:
+            return None
+        rows, vocab = shape
+        if len(data) != rows * vocab * dtype.itemsize:
+            return None
+        try:
+            floats = _FLOAT_ROW.pack(msg.temperature if has("temperature") else 1.0,
+                                     msg.top_p if has("top_p") else 1.0, msg.min_p)
+        except OverflowError:  # beyond float32: from_pb says which field
+            return None
+        ints = _INT_ROW.pack(msg.top_k, msg.seed, msg.step)
+        return Prelaunch(("sample", dtype, vocab, filter_order, True),
+                         (HostTensor(data, dtype, (rows, vocab)), HostTensor(floats * rows, torch.float32, (rows, 3)),
+                          HostTensor(ints * rows, torch.int64, (rows, 3))))
+
+    def lone_result(self, outputs: list[np.ndarray]) -> "SampleResult":
+        """The result of this call launched alone, from its graph's ``outputs``."""
+        return SampleResult(outputs[0].tolist(), self.seeds())
+
+    @staticmethod
     async def run_batch(calls: list["SampleCall"], handle, wait: Wait = Wait.THREAD) -> list["SampleResult"]:
         if len(calls) == 1:
             c = calls[0]
-            tokens = await handle.replay_alone(c.key, c.parts, wait)
-            if tokens is not None:
-                return [SampleResult(tokens[0].tolist(), c.seeds())]
+            outputs = await handle.replay_alone(c.key, c.parts, wait)
+            if outputs is not None:
+                return [c.lone_result(outputs)]
         rows = [c.rows for c in calls]
         names = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + ("random_val",)
         names += INT_PARAMS
@@ -288,6 +327,41 @@ class SampleCall:
 
         tokens, = await handle.launch(calls[0].key, sum(rows), stage_for, launch, wait=wait)
         return [SampleResult(t.tolist(), c.seeds()) for t, c in zip(_split_rows(tokens, rows), calls)]
+
+
+# A row of the float (FLOAT_PARAMS) and int (INT_PARAMS) parameters as _param_rows packs it.
+_FLOAT_ROW, _INT_ROW = struct.Struct("<3f"), struct.Struct("<3q")
+
+
+@dataclass(eq=False, slots=True)
+class Prelaunch:
+    """A lone call's launch as read from its request before the call is made (validated): its
+    batching key and the parts its captured graph reads (:attr:`SampleCall.parts`' layout).
+
+    A call that has the server to itself can then replay while it is validated, the parts'
+    values being safe to launch unchecked: the kernels check parameter values on the device and
+    answer -1 for a row that breaks a rule (kernels/sample.py), and the sizes agree with the
+    graph's, which the key and rows chose. Its result stands only for the call it
+    :meth:`launches` (server/batcher.py, Batcher.submit_prelaunched). Never changed once made.
+    """
+
+    key: tuple
+    parts: tuple[HostTensor, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.parts[0].shape[0]
+
+    def launches(self, call) -> bool:
+        """Whether ``call`` is what this launched: the same key, and each part the same bytes
+        (the logits the very view of the request's bytes both were read from)."""
+        if call.key != self.key:
+            return False
+        for ours, theirs in zip(self.parts, call.parts):
+            if ours.shape != theirs.shape or not (ours.data is theirs.data or (type(ours.data) is bytes
+                                                                               and ours.data == theirs.data)):
+                return False
+        return True
 
 
 def _any_nonzero(value: Param) -> bool:
