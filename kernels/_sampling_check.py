@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable
-from ._sampling_chunks import ROW_STATE_PASS1, ct_ptr_of, row_param, ws_check_offset, ws_offsets, ws_ptr_of
+from ._sampling_chunks import ROW_STATE_PASS1, check_parts_of, ct_ptr_of, row_param, ws_offsets, ws_ptr_of
 from ._sampling_finish import pass1_winner
 from ._sampling_select import log2_weight, order_key, to_compute
 
@@ -43,7 +43,7 @@ def _check(ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, p_arg, p_
     m = tl.load(ct_ptr_of(ws_ptr, o_rowf, IS_F64) + 2 * row)
     winner, winner_key = pass1_winner(ws_ptr, row, n_chunks, o_p1s, o_p1i, IS_F64, CB)
     scale = 1.4426950408889634 / t
-    parts = ct_ptr_of(ws_ptr, ws_check_offset(o_p1i, n_rows, n_chunks), IS_F64) + row * n_chunks
+    parts = check_parts_of(ws_ptr, o_p1i, row, n_rows, n_chunks, IS_F64)
     for j in range(0, per_program):
         chunk = tl.program_id(1) * per_program + j
         cols = chunk * CH + tl.arange(0, CH)

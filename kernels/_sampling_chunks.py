@@ -85,13 +85,6 @@ def ws_offsets(n_rows, n_chunks, NG: tl.constexpr, IS_F64: tl.constexpr):
 
 
 @triton.jit
-def ws_check_offset(o_p1i, n_rows, n_chunks):
-    """Byte offset of the check launch's parts of the walk's first check (one mass per row and
-    chunk, ``_sampling_check.py``), after the first-pass (index, key) pairs."""
-    return o_p1i + _align16(16 * tl.cast(n_rows, tl.int64) * n_chunks)
-
-
-@triton.jit
 def ws_ptr_of(ws_ptr, byte_offset, dtype: tl.constexpr):
     """A typed view into the byte workspace."""
     return (ws_ptr + byte_offset).to(tl.pointer_type(dtype))
@@ -104,6 +97,13 @@ def ct_ptr_of(ws_ptr, byte_offset, IS_F64: tl.constexpr):
         return (ws_ptr + byte_offset).to(tl.pointer_type(tl.float64))
     else:
         return (ws_ptr + byte_offset).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def check_parts_of(ws_ptr, o_p1i, row, n_rows, n_chunks, IS_F64: tl.constexpr):
+    """Row ``row``'s parts of the walk's first check (one mass per chunk, summed by the check
+    launch, ``_sampling_check.py``): in the workspace after the first-pass (index, key) pairs."""
+    return ct_ptr_of(ws_ptr, o_p1i + _align16(16 * tl.cast(n_rows, tl.int64) * n_chunks), IS_F64) + row * n_chunks
 
 
 @triton.jit

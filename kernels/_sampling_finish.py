@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable
-from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_DONE, ROW_STATE_PASS1, ct_ptr_of, row_params,
-                               ws_check_offset, ws_offsets, ws_ptr_of)
+from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_DONE, ROW_STATE_PASS1, check_parts_of, ct_ptr_of,
+                               row_params, ws_offsets, ws_ptr_of)
 from ._sampling_noise import gumbel, row_keys, u64_halves, uniform_bits
 from ._sampling_select import (key_from_i64, key_value, log2_weight, order_key, rel_weight, row_select_key,
                                select_key_in_block, to_compute)
@@ -199,7 +199,7 @@ def _finish(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride,
         checked = pass1 & (p < 1)
         if checked:
             c = tl.arange(0, CB)
-            parts = ct_ptr_of(ws_ptr, ws_check_offset(o_p1i, n_rows, n_chunks), IS_F64) + row * n_chunks
+            parts = check_parts_of(ws_ptr, o_p1i, row, n_rows, n_chunks, IS_F64)
             above = tl.sum(tl.load(parts + c, mask=c < n_chunks, other=0.0), axis=0)
     else:
         checked = state < 0  # never
