@@ -165,6 +165,9 @@ def _draw_seeds(rows: int) -> list[int]:
 # logits row: float32 (the precision they compute in; from_pb checks values in it) and int64.
 FLOAT_PARAMS = ("temperature", "top_p", "min_p")
 INT_PARAMS = ("top_k", "seed", "step")
+# The defaults of the two parameters whose default is not protobuf's zero (DESIGN.md): no
+# temperature scaling and no top-p cut.
+DEFAULT_TEMPERATURE, DEFAULT_TOP_P = 1.0, 1.0
 
 
 def _param_rows(columns: list[Param], rows: int, dtype: torch.dtype) -> HostTensor:
@@ -223,9 +226,10 @@ class SampleCall:
         seed = _int_param(msg, "seed", rows, None, 0, path)
         call = cls(
             logits=logits,
-            temperature=_float_param(msg, "temperature", rows, 1.0, _temperature_ok, "must be finite and >= 0", path),
+            temperature=_float_param(msg, "temperature", rows, DEFAULT_TEMPERATURE, _temperature_ok,
+                                     "must be finite and >= 0", path),
             top_k=_int_param(msg, "top_k", rows, 0, 0, path),
-            top_p=_float_param(msg, "top_p", rows, 1.0, _top_p_ok, "must be in (0, 1]", path),
+            top_p=_float_param(msg, "top_p", rows, DEFAULT_TOP_P, _top_p_ok, "must be in (0, 1]", path),
             min_p=_float_param(msg, "min_p", rows, 0.0, _min_p_ok, "must be in [0, 1]", path),
             seed=_draw_seeds(rows) if seed is None else seed,
             step=_int_param(msg, "step", rows, 0, 0, path),
@@ -242,7 +246,13 @@ class SampleCall:
 
     @property
     def key(self):
-        return (self.op, self.logits.dtype, self.logits.shape[1], self.filter_order, self.random_val is None)
+        return SampleCall.batch_key(self.logits.dtype, self.logits.shape[1], self.filter_order, self.random_val is None)
+
+    @staticmethod
+    def batch_key(dtype: torch.dtype, vocab: int, filter_order: str, draws: bool) -> tuple:
+        """The key of calls that may share a launch: ``draws`` when the kernel draws its own
+        random values (no random_val)."""
+        return ("sample", dtype, vocab, filter_order, draws)
 
     def seeds(self) -> list[int]:
         return self.seed if isinstance(self.seed, list) else [self.seed] * self.rows
@@ -281,12 +291,12 @@ class SampleCall:
         if len(data) != rows * vocab * dtype.itemsize:
             return None
         try:
-            floats = _FLOAT_ROW.pack(msg.temperature if has("temperature") else 1.0,
-                                     msg.top_p if has("top_p") else 1.0, msg.min_p)
+            floats = _FLOAT_ROW.pack(msg.temperature if has("temperature") else DEFAULT_TEMPERATURE,
+                                     msg.top_p if has("top_p") else DEFAULT_TOP_P, msg.min_p)
         except OverflowError:  # beyond float32: from_pb says which field
             return None
         ints = _INT_ROW.pack(msg.top_k, msg.seed, msg.step)
-        return Prelaunch(("sample", dtype, vocab, filter_order, True),
+        return Prelaunch(SampleCall.batch_key(dtype, vocab, filter_order, True),
                          (HostTensor(data, dtype, (rows, vocab)), HostTensor(floats * rows, torch.float32, (rows, 3)),
                           HostTensor(ints * rows, torch.int64, (rows, 3))))
 
