@@ -198,26 +198,13 @@ def _armed_replays(device) -> None:
     DeviceHandle.run, DeviceHandle.close = released_run, released_close
 
 
-def _bare_params(msg, seed: int) -> tuple[bytes, bytes]:
-    """A Sample request's scalar parameters as its graph's float row (temperature, top_p, min_p)
-    and int row (top_k, seed, step), read the bare way: from_pb's defaults, nothing checked."""
-    import struct
-
-    return (struct.pack("<3f", msg.temperature if msg.HasField("temperature") else 1.0,
-                        msg.top_p if msg.HasField("top_p") else 1.0, msg.min_p),
-            struct.pack("<3q", msg.top_k, seed, msg.step))
-
-
 def _bare_sample(servicer, ops) -> None:
-    """The Sample handler with the least host work a lone bfloat16 call can take: no validation,
-    batcher, lock or result objects; the request's bytes and parameters written straight into the
-    graph captured for one row, replayed, spun for, the answer built while the GPU works. Not a
-    server (it checks almost nothing): the bound on what trimming the handler's Python can gain.
-    Other calls go the ordinary way."""
-    import secrets
+    """The Sample handler with the least host work a lone seeded one-row call can take: no
+    validation, batcher, lock or result objects; what the request launches, read by
+    ``SampleCall.prelaunch``, written straight into the graph captured for it, replayed, spun
+    for, the answer built while the GPU works. Not a server (it checks almost nothing): the
+    bound on what trimming the handler's Python can gain. Other calls go the ordinary way."""
     import struct
-
-    import torch
 
     from logitserve.v1 import logitserve_pb2 as pb
 
@@ -226,17 +213,14 @@ def _bare_sample(servicer, ops) -> None:
 
     async def bare(self, request, context):
         msg, handle = request.message, self._service.handle
-        data = request.tensor_bytes.get("logits")
+        prelaunch = ops.SampleCall.prelaunch(msg, request.tensor_bytes)
         graph = None
-        if data is not None and handle.graphs is not None and msg.logits.dtype == pb.DTYPE_BFLOAT16 \
-                and msg.logits.shape[0] == 1 and not msg.HasField("random_val"):
-            graph = handle.graphs.get(("sample", torch.bfloat16, msg.logits.shape[1], "top_k_first", True), 1)
+        if prelaunch is not None and prelaunch.rows == 1 and handle.graphs is not None:
+            graph = handle.graphs.get(prelaunch.key, 1)
         if graph is None:
             return await ordinary(self, request, context)
-        seed = msg.seed if msg.HasField("seed") else secrets.randbits(ops.SEED_BITS)
-        logits_at, floats_at, ints_at = graph._part_bytes
-        logits_at[:] = data
-        floats_at[:], ints_at[:] = _bare_params(msg, seed)
+        for graph_part, part in zip(graph._part_bytes, prelaunch.parts):
+            graph_part[:] = part.data
         handle._bind()
         graph._graph.replay()
         response = pb.SampleResponse()
@@ -244,7 +228,7 @@ def _bare_sample(servicer, ops) -> None:
                               (response.valid, pb.DTYPE_BOOL)):
             tensor.dtype = dtype
             tensor.shape.append(1)
-        response.seeds.data = int64.pack(seed)
+        response.seeds.data = int64.pack(msg.seed)
         while not handle.stream.query():
             pass
         token = int(graph.outputs(1)[0][0])
