@@ -34,7 +34,7 @@ from .device import Wait
 from .errors import TooLarge
 from .staging import Staging, to_host
 from .tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, TORCH_DTYPES, HostTensor, decode, from_array, from_torch,
-                      pack, rows_values, tensor_field)
+                      pack, packer, rows_values, tensor_field)
 
 MAX_RANK = 8
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -246,13 +246,13 @@ class SampleCall:
 
     @property
     def key(self):
-        return SampleCall.batch_key(self.logits.dtype, self.logits.shape[1], self.filter_order, self.random_val is None)
+        return self.batch_key(self.logits.dtype, self.logits.shape[1], self.filter_order, self.random_val is None)
 
-    @staticmethod
-    def batch_key(dtype: torch.dtype, vocab: int, filter_order: str, draws: bool) -> tuple:
+    @classmethod
+    def batch_key(cls, dtype: torch.dtype, vocab: int, filter_order: str, draws: bool) -> tuple:
         """The key of calls that may share a launch: ``draws`` when the kernel draws its own
         random values (no random_val)."""
-        return ("sample", dtype, vocab, filter_order, draws)
+        return (cls.op, dtype, vocab, filter_order, draws)
 
     def seeds(self) -> list[int]:
         return self.seed if isinstance(self.seed, list) else [self.seed] * self.rows
@@ -297,8 +297,9 @@ class SampleCall:
             return None
         ints = _INT_ROW.pack(msg.top_k, msg.seed, msg.step)
         return Prelaunch(SampleCall.batch_key(dtype, vocab, filter_order, True),
-                         (HostTensor(data, dtype, (rows, vocab)), HostTensor(floats * rows, torch.float32, (rows, 3)),
-                          HostTensor(ints * rows, torch.int64, (rows, 3))))
+                         (HostTensor(data, dtype, (rows, vocab)),
+                          HostTensor(floats * rows, torch.float32, (rows, len(FLOAT_PARAMS))),
+                          HostTensor(ints * rows, torch.int64, (rows, len(INT_PARAMS)))))
 
     def lone_result(self, outputs: list[np.ndarray]) -> "SampleResult":
         """The result of this call launched alone, from its graph's ``outputs``."""
@@ -339,8 +340,9 @@ class SampleCall:
         return [SampleResult(t.tolist(), c.seeds()) for t, c in zip(_split_rows(tokens, rows), calls)]
 
 
-# A row of the float (FLOAT_PARAMS) and int (INT_PARAMS) parameters as _param_rows packs it.
-_FLOAT_ROW, _INT_ROW = struct.Struct("<3f"), struct.Struct("<3q")
+# A row of the float (FLOAT_PARAMS) and int (INT_PARAMS) parameters: the layouts _param_rows
+# packs them with (tensors.pack), fetched once for SampleCall.prelaunch's hot path.
+_FLOAT_ROW, _INT_ROW = packer(len(FLOAT_PARAMS), torch.float32), packer(len(INT_PARAMS), torch.int64)
 
 
 @dataclass(eq=False, slots=True)

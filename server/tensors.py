@@ -169,13 +169,18 @@ _STRUCT_CODES = {torch.float32: "f", torch.float64: "d", torch.int32: "i", torch
 _PACKERS: dict[tuple[int, torch.dtype], struct.Struct] = {}
 
 
+def packer(count: int, dtype: torch.dtype) -> struct.Struct:
+    """The compiled layout that packs ``count`` Python numbers as a ``dtype`` tensor's bytes."""
+    layout = _PACKERS.get((count, dtype))
+    if layout is None:
+        layout = _PACKERS[count, dtype] = struct.Struct(f"<{count}{_STRUCT_CODES[dtype]}")
+    return layout
+
+
 def pack(values: list, dtype: torch.dtype) -> bytes:
     """Python numbers as the little-endian bytes of a ``dtype`` tensor, without a torch call
     (each costs microseconds, tens inside the busy server)."""
-    packer = _PACKERS.get((len(values), dtype))
-    if packer is None:
-        packer = _PACKERS[len(values), dtype] = struct.Struct(f"<{len(values)}{_STRUCT_CODES[dtype]}")
-    return packer.pack(*values)
+    return packer(len(values), dtype).pack(*values)
 
 
 # The wire dtypes numpy has (all but bfloat16), keyed by numpy dtype: results come back as arrays.
