@@ -20,7 +20,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.server_process import ServerProcess
+from logitserve.server.process import ServerProcess
 from logitserve import kernels
 from logitserve.client import Client, LogitServeError
 from logitserve.server import ServerConfig
