@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -82,43 +82,70 @@ class Running:
     pid: int  # the server process
 
 
+class _Child:
+    """``spec`` started on free loopback ports, its output in a temporary log."""
+
+    def __init__(self, spec: ServerSpec):
+        self.spec = spec
+        port = free_port()
+        argv = spec.argv + ["--port", str(port)]
+        self.metrics_urls: list[str] = []
+        if not spec.is_echo:
+            metrics_port = free_port()
+            argv += ["--metrics-port", str(metrics_port)]
+            # Worker i of --workers serves its metrics on the port + i.
+            self.metrics_urls = [f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(_workers(argv))]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-service-", suffix=".log", delete=False)
+        print(f"# starting {spec.label}: {shlex.join(argv)} (log {self.log.name})", file=sys.stderr, flush=True)
+        pin = None if spec.cpus is None else functools.partial(os.sched_setaffinity, 0, spec.cpus)
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=pin, env=spec.env, cwd=spec.cwd)
+        self.target = f"127.0.0.1:{port}"
+        self.t0 = time.monotonic()
+
+    def wait(self, startup_timeout_s: float) -> Running:
+        try:
+            wait_serving(self.target, self.process, max(startup_timeout_s - (time.monotonic() - self.t0), 1.0))
+        except BaseException:
+            self.log.flush()
+            with open(self.log.name) as f:
+                print(f"# {self.spec.label} log (tail):\n" + "".join(f.readlines()[-30:]), file=sys.stderr)
+            raise
+        print(f"# {self.spec.label} SERVING after {time.monotonic() - self.t0:.1f} s", file=sys.stderr, flush=True)
+        return Running(self.target, self.metrics_urls, self.process.pid)
+
+    def stop(self) -> None:
+        """SIGTERM (the server drains), SIGKILL after 30 s; the log goes."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
 @contextlib.contextmanager
 def running(spec: ServerSpec, startup_timeout_s: float) -> Iterator[Running]:
     """Start ``spec`` on free loopback ports, yield it once SERVING, then stop it (SIGTERM)."""
-    port = free_port()
-    argv = spec.argv + ["--port", str(port)]
-    metrics_urls = []
-    if not spec.is_echo:
-        metrics_port = free_port()
-        argv += ["--metrics-port", str(metrics_port)]
-        # Worker i of --workers serves its metrics on the port + i.
-        metrics_urls = [f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(_workers(argv))]
-    log = tempfile.NamedTemporaryFile("w+", prefix="bench-service-", suffix=".log", delete=False)
-    print(f"# starting {spec.label}: {shlex.join(argv)} (log {log.name})", file=sys.stderr, flush=True)
-    pin = None if spec.cpus is None else functools.partial(os.sched_setaffinity, 0, spec.cpus)
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin,
-                               env=spec.env, cwd=spec.cwd)
-    target = f"127.0.0.1:{port}"
+    with running_all([spec], startup_timeout_s) as (server,):
+        yield server
+
+
+@contextlib.contextmanager
+def running_all(specs: Sequence[ServerSpec], startup_timeout_s: float) -> Iterator[list[Running]]:
+    """Start every spec at once (their warm-ups overlap), yield them once all are SERVING, then
+    stop them all."""
+    children: list[_Child] = []
     try:
-        t0 = time.monotonic()
-        wait_serving(target, process, startup_timeout_s)
-        print(f"# {spec.label} SERVING after {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
-        yield Running(target, metrics_urls, process.pid)
-    except BaseException:
-        log.flush()
-        with open(log.name) as f:
-            print(f"# {spec.label} log (tail):\n" + "".join(f.readlines()[-30:]), file=sys.stderr)
-        raise
+        for spec in specs:
+            children.append(_Child(spec))
+        yield [child.wait(startup_timeout_s) for child in children]
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        log.close()
-        os.unlink(log.name)
+        for child in children:
+            child.stop()
 
 
 def _workers(argv: list[str]) -> int:
