@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from bench.server_process import ServerProcess
+from logitserve.server.process import ServerProcess
 from logitserve.client import Client, LogitServeError
 from logitserve.client import messages
 from logitserve.server import ServerConfig, auth

@@ -1,6 +1,6 @@
 """Faults the service must survive: a device fault inside a batch's launch, clients leaving
 mid-batch, a full queue, SIGTERM with calls in flight and a restart on the same port, and a
-short run of the load generator (bench/load.py).
+short mixed load with every answer checked (tests/load_mix.py).
 
 Faults are injected through ``Batcher.before_launch``, the in-process test hook the batcher
 calls on the device thread just before a launch (no request can set it). A hook that blocks on
@@ -20,7 +20,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.server_process import ServerProcess
+from logitserve.server.process import ServerProcess
 from logitserve import kernels
 from logitserve.client import Client, LogitServeError
 from logitserve.server import ServerConfig
@@ -364,9 +364,9 @@ def test_sigterm_with_calls_in_flight_then_restart_on_the_same_port():
 
 
 def test_short_load_run_has_no_unexpected_errors_no_wrong_answers():
-    from bench import load
+    import load_mix
 
-    report = load.run(load.LoadConfig(clients=4, seconds=6.0, warmup_seconds=2.0, queue_probe=True))
+    report = load_mix.run(load_mix.LoadConfig(clients=4, seconds=6.0, queue_probe=True))
     assert report["calls"] > 50, report
     assert report["unexpected"] == 0 and report["wrong"] == 0, report["failures"][:5]
     assert report["expected_errors"] > 0  # the invalid requests of the mix were sent and refused

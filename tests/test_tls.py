@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.server_process import ServerProcess
+from logitserve.server.process import ServerProcess
 from logitserve.client import AsyncClient, Client, LogitServeError
 from logitserve.server import ServerConfig
 from logitserve.server.testing import ServerThread

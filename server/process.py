@@ -1,11 +1,13 @@
-"""``logitserve serve`` in a subprocess on 127.0.0.1, for load and fault experiments.
+"""``logitserve serve`` in a child process on 127.0.0.1, waited for until it serves, stopped cleanly.
+
+For tests and benchmarks that need a real server process (signals, ports, exit codes, memory):
 
     with ServerProcess("--max-queue", "4", launch_delay_ms=200) as server:
         server.target            # "127.0.0.1:PORT"
         server.rss_kib()         # the server's resident memory, VmRSS of /proc/<pid>/status
         server.terminate()       # SIGTERM; waits and returns the exit code
 
-``python -m bench.server_process [--launch-delay-ms N] -- <serve flags>`` runs ``logitserve
+``python -m logitserve.server.process [--launch-delay-ms N] -- <serve flags>`` runs ``logitserve
 serve`` with the batcher's in-process test hook (``Batcher.before_launch``) set to sleep N ms
 before every launch: a slow batch, to fill the queue or to have calls in flight at SIGTERM. The
 hook is an attribute set inside this process; nothing on the wire can set it.
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import queue
 import signal
 import subprocess
@@ -27,17 +28,14 @@ import sys
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
 class ServerProcess:
     """A ``logitserve serve`` child on 127.0.0.1; ``port=0`` picks a free port."""
 
     def __init__(self, *serve_args: str, port: int = 0, launch_delay_ms: float = 0.0, device: str = "cpu",
                  backend: str = "torch", start_timeout: float = 180.0, env: dict | None = None):
-        argv = [sys.executable, "-m", "bench.server_process", "--launch-delay-ms", str(launch_delay_ms), "--",
+        argv = [sys.executable, "-m", "logitserve.server.process", "--launch-delay-ms", str(launch_delay_ms), "--",
                 "--host", "127.0.0.1", "--port", str(port), "--device", device, "--backend", backend, *serve_args]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
         self.pid = self.proc.pid
         self.events: list[dict] = []
@@ -117,7 +115,7 @@ class ServerProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.server_process",
+    parser = argparse.ArgumentParser(prog="python -m logitserve.server.process",
                                      description="logitserve serve with a slow-launch test hook")
     parser.add_argument("--launch-delay-ms", type=float, default=0.0,
                         help="sleep this long on the device thread before every batched launch")
@@ -125,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
 
-    from logitserve.server import app, cli
+    from . import app, cli
 
     delay = args.launch_delay_ms / 1e3
     create_server = app.create_server
