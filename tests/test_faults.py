@@ -1,6 +1,6 @@
 """Faults the service must survive: a device fault inside a batch's launch, clients leaving
 mid-batch, a full queue, SIGTERM with calls in flight and a restart on the same port, and a
-short mixed load with every answer checked (tests/load_mix.py).
+short mixed load with every answer checked (tests/load_run.py).
 
 Faults are injected through ``Batcher.before_launch``, the in-process test hook the batcher
 calls on the device thread just before a launch (no request can set it). A hook that blocks on
@@ -364,9 +364,9 @@ def test_sigterm_with_calls_in_flight_then_restart_on_the_same_port():
 
 
 def test_short_load_run_has_no_unexpected_errors_no_wrong_answers():
-    import load_mix
+    import load_run
 
-    report = load_mix.run(load_mix.LoadConfig(clients=4, seconds=6.0, queue_probe=True))
+    report = load_run.run(load_run.LoadConfig(clients=4, seconds=6.0, queue_probe=True))
     assert report["calls"] > 50, report
     assert report["unexpected"] == 0 and report["wrong"] == 0, report["failures"][:5]
     assert report["expected_errors"] > 0  # the invalid requests of the mix were sent and refused
