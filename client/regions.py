@@ -228,10 +228,11 @@ def _wire_dtype(dtype) -> int:
     if isinstance(dtype, int) and dtype in codec.ITEMSIZE:
         return dtype
     name = str(dtype).removeprefix("torch.")
-    try:
-        name = np.dtype(name).name
-    except TypeError:
-        pass
+    if name not in codec._BY_NAME:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
     try:
         return codec._BY_NAME[name]
     except KeyError:
