@@ -77,6 +77,17 @@ _KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
 KEY_RULE = "1 to 255 of A-Z a-z 0-9 . _ -, not starting with '.', after at most one leading '/'"
 
 
+# The outputs each operator can write into regions (its request's output_regions keys): the
+# fields of its answer.
+OUTPUTS = {
+    "Sample": ("token_ids", "seeds", "valid"),
+    "RouteExperts": ("weights", "indices"),
+    "Softmax": ("out",),
+    "CausalSoftmax": ("out",),
+    "Silu": ("out",),
+}
+
+
 class RegionNotFound(Exception):
     """No region of that name visible to the caller: NOT_FOUND."""
 
@@ -114,6 +125,28 @@ def check_key(key: str, field: str = "key") -> str:
     if not isinstance(plain, str) or not _KEY.fullmatch(plain):
         raise ValueError(f"{field}: {_shown(str(key))} is not a plain shared-memory name ({KEY_RULE})")
     return plain
+
+
+def region_of(tensor, field: str, data_bytes: int | None = None):
+    """The ``RegionRef`` of a ``logitserve.v1.Tensor`` whose elements live in a region, or None
+    for one that carries them in ``data``; ``ValueError`` when it has both. ``data_bytes``: the
+    length of its data when read apart from the message (server/wire.py), else ``len(tensor.data)``."""
+    if not tensor.HasField("region"):
+        return None
+    if (len(tensor.data) if data_bytes is None else data_bytes):
+        raise ValueError(f"{field}: both data and region are set; exactly one holds the elements")
+    return tensor.region
+
+
+def check_outputs(output_regions, rpc: str, field: str = "output_regions") -> None:
+    """``ValueError`` unless every key of a request's ``output_regions`` is an output of ``rpc``
+    (:data:`OUTPUTS`) and every reference names a region."""
+    known = OUTPUTS[rpc]
+    for name, ref in output_regions.items():
+        if name not in known:
+            raise ValueError(f"{field}: {_shown(name)} is not an output of {rpc} ({', '.join(known)})")
+        if not ref.region:
+            raise ValueError(f"{field}[{name}].region: required")
 
 
 def _kinds(kind: str | None) -> tuple[str, ...]:

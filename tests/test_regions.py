@@ -151,6 +151,28 @@ def test_owner_of_digests_the_bearer_token():
     assert "alice" not in owner_of("Bearer alice")
 
 
+def test_message_helpers_for_the_request_path():
+    assert regions.region_of(pb.Tensor(data=b"1234"), "logits") is None
+    r = ref("r", 8, 16)
+    assert regions.region_of(pb.Tensor(region=r), "logits") == r
+    with pytest.raises(ValueError, match="^logits: both data and region are set"):
+        regions.region_of(pb.Tensor(data=b"1234", region=r), "logits")
+    with pytest.raises(ValueError, match="^logits: both"):  # data read apart from the message (wire.py)
+        regions.region_of(pb.Tensor(region=r), "logits", data_bytes=4)
+    request = pb.SampleRequest(output_regions={"token_ids": r, "valid": r})
+    regions.check_outputs(request.output_regions, "Sample")
+    request.output_regions["out"].CopyFrom(r)
+    with pytest.raises(ValueError, match=r"^output_regions: 'out' is not an output of Sample \(token_ids, seeds, valid\)"):
+        regions.check_outputs(request.output_regions, "Sample")
+    with pytest.raises(ValueError, match=r"^output_regions\[out\].region: required"):
+        regions.check_outputs(pb.SoftmaxRequest(output_regions={"out": pb.RegionRef()}).output_regions, "Softmax")
+    for name, request in (("RouteExperts", pb.RouteExpertsRequest), ("Softmax", pb.SoftmaxRequest),
+                          ("CausalSoftmax", pb.CausalSoftmaxRequest), ("Silu", pb.SiluRequest)):
+        response = getattr(pb, f"{name}Response")
+        assert set(regions.OUTPUTS[name]) <= set(response.DESCRIPTOR.fields_by_name)
+        assert "output_regions" in request.DESCRIPTOR.fields_by_name
+
+
 # ---------------------------------------------------------------- register, status, unregister
 
 
