@@ -5,7 +5,10 @@
         result = client.sample(logits, temperature=0.7, top_p=0.9)   # logits: (batch, vocab)
         result.token_ids, result.seeds, result.valid
 
-``AsyncClient`` takes the same arguments for asyncio. Failed calls raise
+``AsyncClient`` takes the same arguments for asyncio. Shared-memory regions (tensors that cross
+without being copied into messages): ``client.register_system`` / ``register_cuda`` /
+``shared_memory_status`` / ``unregister``, with the helpers of :mod:`logitserve.client.regions`
+(``shared_array``, ``shared_tensor``, ``cuda_ipc_handle``). Failed calls raise
 :class:`LogitServeError` (``.code``, a ``grpc.StatusCode``, and ``.details``). Needs grpcio,
 protobuf and numpy; torch is optional (torch tensors are accepted when it is installed, and
 :func:`~logitserve.client.codec.decode_torch` keeps bfloat16 results as bfloat16).

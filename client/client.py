@@ -21,7 +21,7 @@ import grpc
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
-from . import messages
+from . import messages, regions
 from .errors import LogitServeError
 from .messages import SampleResult, ServerInfo, StepResult
 
@@ -62,6 +62,10 @@ class _Methods:
 
     def _call(self, rpc: str, request, timeout, parse):
         raise NotImplementedError
+
+    def _rpc(self, rpc: str):
+        """The stub's method for ``rpc`` (of the LogitServe or the SharedMemory service)."""
+        return getattr(self._shm_stub if rpc in regions.SHARED_MEMORY_RPCS else self._stub, rpc)
 
     def _deadline(self, timeout) -> float | None:
         timeout = self.timeout if timeout is _DEFAULT else timeout
@@ -126,6 +130,37 @@ class _Methods:
         """The server's version, device, backend, dtypes, limits and counters."""
         return self._call("GetServerInfo", pb.GetServerInfoRequest(), timeout, messages.server_info)
 
+    # Shared-memory regions (the SharedMemory service; helpers in logitserve.client.regions).
+
+    def register_system(self, name: str, key, byte_size: int | None = None, offset: int = 0, *, timeout=_DEFAULT):
+        """Register ``[offset, offset + byte_size)`` of the POSIX shared-memory object ``key`` as
+        region ``name``. ``key`` may be a :class:`~.regions.SharedHostBuffer`
+        (``regions.shared_array`` / ``shared_tensor``), whose size is then the default."""
+        return self._call("RegisterSystemSharedMemory", regions.system_request(name, key, byte_size, offset),
+                          timeout, regions.registered)
+
+    def register_cuda(self, name: str, handle, device_id: int | None = None, byte_size: int | None = None,
+                      offset: int = 0, *, timeout=_DEFAULT):
+        """Register CUDA memory as region ``name``: ``handle`` a contiguous torch CUDA tensor (its
+        allocation's IPC handle and its offset in it are sent; needs cuda-python), a
+        :class:`~.regions.CudaIpcHandle`, or the 64 bytes of a ``cudaIpcMemHandle_t`` with
+        ``device_id`` and ``byte_size``. ``offset`` is added to the tensor's own offset. The
+        server must be on the same host; keep the memory alive until it is unregistered."""
+        return self._call("RegisterCudaSharedMemory", regions.cuda_request(name, handle, device_id, byte_size, offset),
+                          timeout, regions.registered)
+
+    def shared_memory_status(self, name: str = "", *, kind: str | None = None, timeout=_DEFAULT):
+        """This caller's regions (of ``kind``, "system" or "cuda", when given) as a list of
+        :class:`~.regions.RegionStatus`; ``name``: that one region (NOT_FOUND when unknown)."""
+        request = pb.SharedMemoryStatusRequest(name=name, kind=regions.kind_enum(kind))
+        return self._call("SharedMemoryStatus", request, timeout, regions.status_result)
+
+    def unregister(self, name: str = "", *, kind: str | None = None, timeout=_DEFAULT) -> list[str]:
+        """Unregister region ``name`` (empty: every region of this caller, of ``kind`` when
+        given); returns the names unregistered (none for a name not registered)."""
+        request = pb.UnregisterSharedMemoryRequest(name=name, kind=regions.kind_enum(kind))
+        return self._call("UnregisterSharedMemory", request, timeout, regions.unregister_result)
+
 
 class Client(_Methods):
     """Blocking client; a context manager that closes its channel.
@@ -147,9 +182,10 @@ class Client(_Methods):
         self._channel = _channel(grpc, target, root_certificates=root_certificates,
                                  certificate_chain=certificate_chain, private_key=private_key, options=options)
         self._stub = pb_grpc.LogitServeStub(self._channel)
+        self._shm_stub = pb_grpc.SharedMemoryStub(self._channel)
 
     def _call(self, rpc: str, request, timeout, parse):
-        method = getattr(self._stub, rpc)
+        method = self._rpc(rpc)
         deadline = self._deadline(timeout)
         attempt = 0
         while True:
@@ -204,9 +240,10 @@ class AsyncClient(_Methods):
         self._channel = _channel(grpc.aio, target, root_certificates=root_certificates,
                                  certificate_chain=certificate_chain, private_key=private_key, options=options)
         self._stub = pb_grpc.LogitServeStub(self._channel)
+        self._shm_stub = pb_grpc.SharedMemoryStub(self._channel)
 
     def _call(self, rpc: str, request, timeout, parse):
-        return self._acall(getattr(self._stub, rpc), request, self._deadline(timeout), parse)
+        return self._acall(self._rpc(rpc), request, self._deadline(timeout), parse)
 
     async def _acall(self, method, request, deadline, parse):
         attempt = 0

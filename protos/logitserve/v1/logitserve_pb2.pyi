@@ -23,6 +23,12 @@ class FilterOrder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FILTER_ORDER_UNSPECIFIED: _ClassVar[FilterOrder]
     FILTER_ORDER_TOP_K_FIRST: _ClassVar[FilterOrder]
     FILTER_ORDER_JOINT: _ClassVar[FilterOrder]
+
+class RegionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REGION_KIND_UNSPECIFIED: _ClassVar[RegionKind]
+    REGION_KIND_SYSTEM: _ClassVar[RegionKind]
+    REGION_KIND_CUDA: _ClassVar[RegionKind]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
@@ -34,19 +40,41 @@ DTYPE_BOOL: DType
 FILTER_ORDER_UNSPECIFIED: FilterOrder
 FILTER_ORDER_TOP_K_FIRST: FilterOrder
 FILTER_ORDER_JOINT: FilterOrder
+REGION_KIND_UNSPECIFIED: RegionKind
+REGION_KIND_SYSTEM: RegionKind
+REGION_KIND_CUDA: RegionKind
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "region")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    region: RegionRef
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., region: _Optional[_Union[RegionRef, _Mapping]] = ...) -> None: ...
+
+class RegionRef(_message.Message):
+    __slots__ = ("region", "offset", "byte_size")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    byte_size: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("logits", "temperature", "temperature_rows", "top_k", "top_k_rows", "top_p", "top_p_rows", "min_p", "min_p_rows", "seed", "seed_rows", "step", "step_rows", "filter_order", "random_val", "random_val_rows")
+    __slots__ = ("logits", "temperature", "temperature_rows", "top_k", "top_k_rows", "top_p", "top_p_rows", "min_p", "min_p_rows", "seed", "seed_rows", "step", "step_rows", "filter_order", "random_val", "random_val_rows", "output_regions")
+    class OutputRegionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: RegionRef
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RegionRef, _Mapping]] = ...) -> None: ...
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +91,7 @@ class SampleRequest(_message.Message):
     FILTER_ORDER_FIELD_NUMBER: _ClassVar[int]
     RANDOM_VAL_FIELD_NUMBER: _ClassVar[int]
     RANDOM_VAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGIONS_FIELD_NUMBER: _ClassVar[int]
     logits: Tensor
     temperature: float
     temperature_rows: Tensor
@@ -79,7 +108,8 @@ class SampleRequest(_message.Message):
     filter_order: FilterOrder
     random_val: float
     random_val_rows: Tensor
-    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_k: _Optional[int] = ..., top_k_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_p: _Optional[float] = ..., top_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., min_p: _Optional[float] = ..., min_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., seed_rows: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ..., step_rows: _Optional[_Union[Tensor, _Mapping]] = ..., filter_order: _Optional[_Union[FilterOrder, str]] = ..., random_val: _Optional[float] = ..., random_val_rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    output_regions: _containers.MessageMap[str, RegionRef]
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_k: _Optional[int] = ..., top_k_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_p: _Optional[float] = ..., top_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., min_p: _Optional[float] = ..., min_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., seed_rows: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ..., step_rows: _Optional[_Union[Tensor, _Mapping]] = ..., filter_order: _Optional[_Union[FilterOrder, str]] = ..., random_val: _Optional[float] = ..., random_val_rows: _Optional[_Union[Tensor, _Mapping]] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("token_ids", "seeds", "valid")
@@ -92,14 +122,23 @@ class SampleResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Union[Tensor, _Mapping]] = ..., valid: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RouteExpertsRequest(_message.Message):
-    __slots__ = ("gate_logits", "k", "renormalize")
+    __slots__ = ("gate_logits", "k", "renormalize", "output_regions")
+    class OutputRegionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: RegionRef
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RegionRef, _Mapping]] = ...) -> None: ...
     GATE_LOGITS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     RENORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGIONS_FIELD_NUMBER: _ClassVar[int]
     gate_logits: Tensor
     k: int
     renormalize: bool
-    def __init__(self, gate_logits: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., renormalize: _Optional[bool] = ...) -> None: ...
+    output_regions: _containers.MessageMap[str, RegionRef]
+    def __init__(self, gate_logits: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., renormalize: _Optional[bool] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ...) -> None: ...
 
 class RouteExpertsResponse(_message.Message):
     __slots__ = ("weights", "indices")
@@ -110,12 +149,21 @@ class RouteExpertsResponse(_message.Message):
     def __init__(self, weights: _Optional[_Union[Tensor, _Mapping]] = ..., indices: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SoftmaxRequest(_message.Message):
-    __slots__ = ("x", "dim")
+    __slots__ = ("x", "dim", "output_regions")
+    class OutputRegionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: RegionRef
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RegionRef, _Mapping]] = ...) -> None: ...
     X_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGIONS_FIELD_NUMBER: _ClassVar[int]
     x: Tensor
     dim: int
-    def __init__(self, x: _Optional[_Union[Tensor, _Mapping]] = ..., dim: _Optional[int] = ...) -> None: ...
+    output_regions: _containers.MessageMap[str, RegionRef]
+    def __init__(self, x: _Optional[_Union[Tensor, _Mapping]] = ..., dim: _Optional[int] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ...) -> None: ...
 
 class SoftmaxResponse(_message.Message):
     __slots__ = ("out",)
@@ -124,10 +172,19 @@ class SoftmaxResponse(_message.Message):
     def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class CausalSoftmaxRequest(_message.Message):
-    __slots__ = ("x",)
+    __slots__ = ("x", "output_regions")
+    class OutputRegionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: RegionRef
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RegionRef, _Mapping]] = ...) -> None: ...
     X_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGIONS_FIELD_NUMBER: _ClassVar[int]
     x: Tensor
-    def __init__(self, x: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    output_regions: _containers.MessageMap[str, RegionRef]
+    def __init__(self, x: _Optional[_Union[Tensor, _Mapping]] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ...) -> None: ...
 
 class CausalSoftmaxResponse(_message.Message):
     __slots__ = ("out",)
@@ -136,12 +193,21 @@ class CausalSoftmaxResponse(_message.Message):
     def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SiluRequest(_message.Message):
-    __slots__ = ("x", "up")
+    __slots__ = ("x", "up", "output_regions")
+    class OutputRegionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: RegionRef
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RegionRef, _Mapping]] = ...) -> None: ...
     X_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGIONS_FIELD_NUMBER: _ClassVar[int]
     x: Tensor
     up: Tensor
-    def __init__(self, x: _Optional[_Union[Tensor, _Mapping]] = ..., up: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    output_regions: _containers.MessageMap[str, RegionRef]
+    def __init__(self, x: _Optional[_Union[Tensor, _Mapping]] = ..., up: _Optional[_Union[Tensor, _Mapping]] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ...) -> None: ...
 
 class SiluResponse(_message.Message):
     __slots__ = ("out",)
@@ -232,3 +298,79 @@ class GetServerInfoResponse(_message.Message):
     limits: Limits
     stats: ServerStats
     def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., warmed_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., stats: _Optional[_Union[ServerStats, _Mapping]] = ...) -> None: ...
+
+class RegisterSystemSharedMemoryRequest(_message.Message):
+    __slots__ = ("name", "key", "offset", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class RegisterCudaSharedMemoryRequest(_message.Message):
+    __slots__ = ("name", "raw_handle", "device_id", "byte_size", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RAW_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    raw_handle: bytes
+    device_id: int
+    byte_size: int
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., raw_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., byte_size: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class RegisterSharedMemoryResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SharedMemoryStatusRequest(_message.Message):
+    __slots__ = ("name", "kind")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: RegionKind
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[RegionKind, str]] = ...) -> None: ...
+
+class SharedMemoryRegion(_message.Message):
+    __slots__ = ("name", "kind", "key", "offset", "byte_size", "device_id", "in_use")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: RegionKind
+    key: str
+    offset: int
+    byte_size: int
+    device_id: int
+    in_use: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., device_id: _Optional[int] = ..., in_use: _Optional[int] = ...) -> None: ...
+
+class SharedMemoryStatusResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[SharedMemoryRegion]
+    def __init__(self, regions: _Optional[_Iterable[_Union[SharedMemoryRegion, _Mapping]]] = ...) -> None: ...
+
+class UnregisterSharedMemoryRequest(_message.Message):
+    __slots__ = ("name", "kind")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: RegionKind
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[RegionKind, str]] = ...) -> None: ...
+
+class UnregisterSharedMemoryResponse(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -29,7 +29,10 @@ class LogitServeStub:
     """One service for every operator. Errors: INVALID_ARGUMENT (a bad request; the message names the
     field and the rule), RESOURCE_EXHAUSTED (queue full, or a request over a configured limit),
     DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE (the server is draining), UNAUTHENTICATED (missing
-    or wrong bearer token), INTERNAL (a device fault: that request fails, the server goes on).
+    or wrong bearer token), INTERNAL (a device fault: that request fails, the server goes on). A
+    Tensor or output in a region adds NOT_FOUND (no region of that name registered by this
+    caller) and INVALID_ARGUMENT (a reference past the region's end, misaligned for its dtype, or
+    whose byte_size is not the tensor's).
     """
 
     def __init__(self, channel):
@@ -84,7 +87,10 @@ class LogitServeServicer:
     """One service for every operator. Errors: INVALID_ARGUMENT (a bad request; the message names the
     field and the rule), RESOURCE_EXHAUSTED (queue full, or a request over a configured limit),
     DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE (the server is draining), UNAUTHENTICATED (missing
-    or wrong bearer token), INTERNAL (a device fault: that request fails, the server goes on).
+    or wrong bearer token), INTERNAL (a device fault: that request fails, the server goes on). A
+    Tensor or output in a region adds NOT_FOUND (no region of that name registered by this
+    caller) and INVALID_ARGUMENT (a reference past the region's end, misaligned for its dtype, or
+    whose byte_size is not the tensor's).
     """
 
     def Sample(self, request, context):
@@ -198,7 +204,10 @@ class LogitServe:
     """One service for every operator. Errors: INVALID_ARGUMENT (a bad request; the message names the
     field and the rule), RESOURCE_EXHAUSTED (queue full, or a request over a configured limit),
     DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE (the server is draining), UNAUTHENTICATED (missing
-    or wrong bearer token), INTERNAL (a device fault: that request fails, the server goes on).
+    or wrong bearer token), INTERNAL (a device fault: that request fails, the server goes on). A
+    Tensor or output in a region adds NOT_FOUND (no region of that name registered by this
+    caller) and INVALID_ARGUMENT (a reference past the region's end, misaligned for its dtype, or
+    whose byte_size is not the tensor's).
     """
 
     @staticmethod
@@ -407,6 +416,245 @@ class LogitServe:
             '/logitserve.v1.LogitServe/GetServerInfo',
             logitserve_dot_v1_dot_logitserve__pb2.GetServerInfoRequest.SerializeToString,
             logitserve_dot_v1_dot_logitserve__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class SharedMemoryStub:
+    """Shared-memory regions: memory a caller shares with the server, registered once and then named
+    by Tensors (Tensor.region) and outputs (output_regions) of LogitServe calls, so that tensors
+    cross without being copied into messages. The semantics are those of Triton Inference Server's
+    shared-memory extension: a region is mapped once, at registration; registering a name twice
+    fails; status and unregister of an empty name cover every region of the caller. With token
+    auth a region is visible only to callers with the bearer token that registered it; without,
+    to every caller. Errors: ALREADY_EXISTS (name taken), NOT_FOUND (status of an unknown name),
+    INVALID_ARGUMENT (a name or key that is not a plain name, a range past the object's end, a
+    CUDA handle that does not open or is from another device; the message names the field and
+    the rule), RESOURCE_EXHAUSTED (over the server's limits on regions or mapped bytes),
+    UNAUTHENTICATED.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RegisterSystemSharedMemory = channel.unary_unary(
+                '/logitserve.v1.SharedMemory/RegisterSystemSharedMemory',
+                request_serializer=logitserve_dot_v1_dot_logitserve__pb2.RegisterSystemSharedMemoryRequest.SerializeToString,
+                response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.RegisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.RegisterCudaSharedMemory = channel.unary_unary(
+                '/logitserve.v1.SharedMemory/RegisterCudaSharedMemory',
+                request_serializer=logitserve_dot_v1_dot_logitserve__pb2.RegisterCudaSharedMemoryRequest.SerializeToString,
+                response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.RegisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.SharedMemoryStatus = channel.unary_unary(
+                '/logitserve.v1.SharedMemory/SharedMemoryStatus',
+                request_serializer=logitserve_dot_v1_dot_logitserve__pb2.SharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.SharedMemoryStatusResponse.FromString,
+                _registered_method=True)
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/logitserve.v1.SharedMemory/UnregisterSharedMemory',
+                request_serializer=logitserve_dot_v1_dot_logitserve__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.UnregisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+
+
+class SharedMemoryServicer:
+    """Shared-memory regions: memory a caller shares with the server, registered once and then named
+    by Tensors (Tensor.region) and outputs (output_regions) of LogitServe calls, so that tensors
+    cross without being copied into messages. The semantics are those of Triton Inference Server's
+    shared-memory extension: a region is mapped once, at registration; registering a name twice
+    fails; status and unregister of an empty name cover every region of the caller. With token
+    auth a region is visible only to callers with the bearer token that registered it; without,
+    to every caller. Errors: ALREADY_EXISTS (name taken), NOT_FOUND (status of an unknown name),
+    INVALID_ARGUMENT (a name or key that is not a plain name, a range past the object's end, a
+    CUDA handle that does not open or is from another device; the message names the field and
+    the rule), RESOURCE_EXHAUSTED (over the server's limits on regions or mapped bytes),
+    UNAUTHENTICATED.
+    """
+
+    def RegisterSystemSharedMemory(self, request, context):
+        """Maps a slice of a POSIX shared-memory object (shm_open's namespace, /dev/shm on Linux).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterCudaSharedMemory(self, request, context):
+        """Opens a slice of a CUDA allocation from its IPC handle (cudaIpcGetMemHandle).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SharedMemoryStatus(self, request, context):
+        """The caller's regions: one by name, or all of them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Forgets one of the caller's regions by name, or all of them. A region still read or written
+        by a call in flight stays mapped until that call ends; its name is free at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SharedMemoryServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RegisterSystemSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSystemSharedMemory,
+                    request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.RegisterSystemSharedMemoryRequest.FromString,
+                    response_serializer=logitserve_dot_v1_dot_logitserve__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'RegisterCudaSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterCudaSharedMemory,
+                    request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.RegisterCudaSharedMemoryRequest.FromString,
+                    response_serializer=logitserve_dot_v1_dot_logitserve__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'SharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SharedMemoryStatus,
+                    request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.SharedMemoryStatusRequest.FromString,
+                    response_serializer=logitserve_dot_v1_dot_logitserve__pb2.SharedMemoryStatusResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=logitserve_dot_v1_dot_logitserve__pb2.UnregisterSharedMemoryResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'logitserve.v1.SharedMemory', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('logitserve.v1.SharedMemory', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SharedMemory:
+    """Shared-memory regions: memory a caller shares with the server, registered once and then named
+    by Tensors (Tensor.region) and outputs (output_regions) of LogitServe calls, so that tensors
+    cross without being copied into messages. The semantics are those of Triton Inference Server's
+    shared-memory extension: a region is mapped once, at registration; registering a name twice
+    fails; status and unregister of an empty name cover every region of the caller. With token
+    auth a region is visible only to callers with the bearer token that registered it; without,
+    to every caller. Errors: ALREADY_EXISTS (name taken), NOT_FOUND (status of an unknown name),
+    INVALID_ARGUMENT (a name or key that is not a plain name, a range past the object's end, a
+    CUDA handle that does not open or is from another device; the message names the field and
+    the rule), RESOURCE_EXHAUSTED (over the server's limits on regions or mapped bytes),
+    UNAUTHENTICATED.
+    """
+
+    @staticmethod
+    def RegisterSystemSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logitserve.v1.SharedMemory/RegisterSystemSharedMemory',
+            logitserve_dot_v1_dot_logitserve__pb2.RegisterSystemSharedMemoryRequest.SerializeToString,
+            logitserve_dot_v1_dot_logitserve__pb2.RegisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterCudaSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logitserve.v1.SharedMemory/RegisterCudaSharedMemory',
+            logitserve_dot_v1_dot_logitserve__pb2.RegisterCudaSharedMemoryRequest.SerializeToString,
+            logitserve_dot_v1_dot_logitserve__pb2.RegisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logitserve.v1.SharedMemory/SharedMemoryStatus',
+            logitserve_dot_v1_dot_logitserve__pb2.SharedMemoryStatusRequest.SerializeToString,
+            logitserve_dot_v1_dot_logitserve__pb2.SharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logitserve.v1.SharedMemory/UnregisterSharedMemory',
+            logitserve_dot_v1_dot_logitserve__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            logitserve_dot_v1_dot_logitserve__pb2.UnregisterSharedMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

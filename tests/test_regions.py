@@ -1,0 +1,552 @@
+"""Shared-memory regions: the registry (server/regions.py) over real POSIX shared-memory objects
+made by another process, the SharedMemory service through a grpc.aio server, the client's
+helpers; on a GPU, a CUDA region registered from another process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from logitserve.client import AsyncClient, Client, LogitServeError
+from logitserve.client import regions as client_regions
+from logitserve.server import regions, regions_servicer
+from logitserve.server.auth import TokenStore
+from logitserve.server.errors import TooLarge
+from logitserve.server.guard import Guard, GuardedRegistrar
+from logitserve.server.regions import RegionExists, RegionNotFound, RegionRegistry, owner_of
+from logitserve.v1 import logitserve_pb2 as pb
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# The other process: creates, writes, reads, shrinks POSIX shared-memory objects on command
+# (one JSON line in, one out). Standard library only, so it starts fast.
+OWNER_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from multiprocessing import shared_memory
+    objs = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op, out = cmd["op"], None
+        if op == "create":
+            shm = shared_memory.SharedMemory(create=True, size=cmd["size"])
+            objs[shm.name.lstrip("/")] = shm
+            out = shm.name.lstrip("/")
+        elif op == "write":
+            data = bytes.fromhex(cmd["hex"])
+            objs[cmd["key"]].buf[cmd["at"]:cmd["at"] + len(data)] = data
+        elif op == "read":
+            out = bytes(objs[cmd["key"]].buf[cmd["at"]:cmd["at"] + cmd["n"]]).hex()
+        elif op == "truncate":
+            os.ftruncate(objs[cmd["key"]]._fd, cmd["size"])
+        elif op == "chmod":
+            os.fchmod(objs[cmd["key"]]._fd, cmd["mode"])
+        print(json.dumps(out), flush=True)
+    for shm in objs.values():
+        shm.close()
+        shm.unlink()
+""")
+
+
+class ShmOwner:
+    """A separate process owning shared-memory objects, as a client would."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def _do(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def create(self, size: int) -> str:
+        return self._do(op="create", size=size)
+
+    def write(self, key: str, at: int, data: bytes) -> None:
+        self._do(op="write", key=key, at=at, hex=data.hex())
+
+    def read(self, key: str, at: int, n: int) -> bytes:
+        return bytes.fromhex(self._do(op="read", key=key, at=at, n=n))
+
+    def truncate(self, key: str, size: int) -> None:
+        self._do(op="truncate", key=key, size=size)
+
+    def chmod(self, key: str, mode: int) -> None:
+        self._do(op="chmod", key=key, mode=mode)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def owner():
+    o = ShmOwner()
+    yield o
+    o.close()
+
+
+def ref(region: str, offset: int, byte_size: int) -> pb.RegionRef:
+    return pb.RegionRef(region=region, offset=offset, byte_size=byte_size)
+
+
+def f32(*values) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+# ------------------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("key", ["../etc/passwd", "a/b", "/etc/passwd", "//x", "..", ".", "", ".hidden", "a b",
+                                 "a\nb", "x\n", "a\x00b", "k" * 256, "/" + "k" * 256, "é"])
+def test_a_key_that_is_not_a_plain_name_is_refused_before_anything_is_opened(key, monkeypatch):
+    def no_open(*args, **kwargs):
+        raise AssertionError(f"os.open called for key {key!r}")
+    monkeypatch.setattr(regions.os, "open", no_open)
+    with pytest.raises(ValueError, match=r"^key: .* is not a plain shared-memory name"):
+        RegionRegistry().register_system("r", key, 0, 8)
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "-x", ".x", "a b", "n" * 129, "x\n"])
+def test_a_region_name_that_is_not_a_plain_name_is_refused(name):
+    with pytest.raises(ValueError, match=r"^name: .* is not a valid region name"):
+        RegionRegistry().register_system(name, "psm_x", 0, 8)
+
+
+def test_keys_in_the_namespace_that_are_not_objects_are_refused():
+    registry = RegionRegistry()
+    stem = f"logitserve-test-{uuid.uuid4().hex}"
+    link, folder = f"/dev/shm/{stem}-link", f"/dev/shm/{stem}-dir"
+    os.symlink("/etc/hostname", link)
+    os.mkdir(folder)
+    try:
+        with pytest.raises(ValueError, match=r"key: shared-memory object .*-link' cannot be opened"):
+            registry.register_system("r", f"{stem}-link", 0, 1)
+        with pytest.raises(ValueError, match=r"key: .*-dir'"):
+            registry.register_system("r", f"{stem}-dir", 0, 1)
+        with pytest.raises(ValueError, match=r"key: no shared-memory object"):
+            registry.register_system("r", f"{stem}-missing", 0, 1)
+    finally:
+        os.unlink(link)
+        os.rmdir(folder)
+    assert registry.mapped_count == 0 and registry.mapped_bytes == 0
+
+
+def test_owner_of_digests_the_bearer_token():
+    assert owner_of(None) is None and owner_of("") is None
+    assert owner_of("Bearer alice") == owner_of("bearer  alice ") != owner_of("Bearer bob")
+    assert "alice" not in owner_of("Bearer alice")
+
+
+def test_message_helpers_for_the_request_path():
+    assert regions.region_of(pb.Tensor(data=b"1234"), "logits") is None
+    r = ref("r", 8, 16)
+    assert regions.region_of(pb.Tensor(region=r), "logits") == r
+    with pytest.raises(ValueError, match="^logits: both data and region are set"):
+        regions.region_of(pb.Tensor(data=b"1234", region=r), "logits")
+    with pytest.raises(ValueError, match="^logits: both"):  # data read apart from the message (wire.py)
+        regions.region_of(pb.Tensor(region=r), "logits", data_bytes=4)
+    request = pb.SampleRequest(output_regions={"token_ids": r, "valid": r})
+    regions.check_outputs(request.output_regions, "Sample")
+    request.output_regions["out"].CopyFrom(r)
+    with pytest.raises(ValueError, match=r"^output_regions: 'out' is not an output of Sample \(token_ids, seeds, valid\)"):
+        regions.check_outputs(request.output_regions, "Sample")
+    with pytest.raises(ValueError, match=r"^output_regions\[out\].region: required"):
+        regions.check_outputs(pb.SoftmaxRequest(output_regions={"out": pb.RegionRef()}).output_regions, "Softmax")
+    for name, request in (("RouteExperts", pb.RouteExpertsRequest), ("Softmax", pb.SoftmaxRequest),
+                          ("CausalSoftmax", pb.CausalSoftmaxRequest), ("Silu", pb.SiluRequest)):
+        response = getattr(pb, f"{name}Response")
+        assert set(regions.OUTPUTS[name]) <= set(response.DESCRIPTOR.fields_by_name)
+        assert "output_regions" in request.DESCRIPTOR.fields_by_name
+
+
+# ---------------------------------------------------------------- register, status, unregister
+
+
+def test_register_status_unregister(owner):
+    key = owner.create(3 * 4096)
+    registry = RegionRegistry()
+    info = registry.register_system("in", "/" + key, 0, 4096)  # shm_open's "/name" is the same object
+    assert (info.name, info.kind, info.key, info.offset, info.byte_size) == ("in", "system", key, 0, 4096)
+    registry.register_system("out", key, 4096 + 8, 100)
+    assert [i.name for i in registry.status()] == ["in", "out"]
+    assert registry.status("out")[0].offset == 4104 and registry.status(kind="system") == registry.status()
+    assert registry.status(kind="cuda") == []
+    with pytest.raises(RegionNotFound, match="name: no region 'nope' registered"):
+        registry.status("nope")
+    with pytest.raises(RegionNotFound, match="no cuda region 'in'"):
+        registry.status("in", kind="cuda")
+    with pytest.raises(RegionExists, match="name: a region 'in' is already registered"):
+        registry.register_system("in", key, 0, 8)
+    assert registry.mapped_count == 2 and registry.mapped_bytes == 4096 + (8 + 100)  # from the page start
+    assert registry.unregister("nope") == []  # Triton: unregistering an unknown name is no error
+    assert registry.unregister("in", kind="cuda") == []
+    assert registry.unregister("") == ["in", "out"]
+    assert registry.status() == [] and registry.mapped_count == 0 and registry.mapped_bytes == 0
+    # The server unmapped; the object is the client's and lives on.
+    owner.write(key, 0, b"still")
+    assert owner.read(key, 0, 5) == b"still" and os.path.exists(f"/dev/shm/{key}")
+
+
+def test_registering_past_the_end_of_the_object_is_refused(owner):
+    key = owner.create(1000)
+    with pytest.raises(ValueError, match=r"offset \+ byte_size: 900 \+ 200 = 1100 bytes, past the end of .* \(1000 "):
+        RegionRegistry().register_system("r", key, 900, 200)
+    with pytest.raises(ValueError, match=r"byte_size: must be an integer > 0"):
+        RegionRegistry().register_system("r", key, 0, 0)
+
+
+def test_a_server_process_ending_leaves_the_clients_object(owner):
+    """Mapping through the standard library's SharedMemory would hand the object to the server's
+    resource tracker, which unlinks it when the server's process ends."""
+    key = owner.create(64)
+    owner.write(key, 0, b"kept")
+    code = ("import sys; from logitserve.server.regions import RegionRegistry\n"
+            "r = RegionRegistry(); r.register_system('r', sys.argv[1], 0, 64)\n"
+            "print(bytes(r.resolve(type('R', (), dict(region='r', offset=0, byte_size=4))(), "
+            "__import__('torch').uint8, (4,)).view).decode())\n"
+            "r.close()\n")
+    out = subprocess.run([sys.executable, "-c", code, key], check=True, capture_output=True, text=True, timeout=120,
+                         env={**os.environ})
+    assert out.stdout.strip() == "kept"
+    assert os.path.exists(f"/dev/shm/{key}") and owner.read(key, 0, 4) == b"kept"
+
+
+# ------------------------------------------------------------------------------------ resolve
+
+
+def test_resolve_reads_and_writes_the_object_in_place(owner):
+    key = owner.create(4096)
+    registry = RegionRegistry()
+    registry.register_system("logits", key, 0, 4096)
+    with registry.resolve(ref("logits", 16, 24), torch.float32, (2, 3), field="logits") as lease:
+        assert isinstance(lease.view, memoryview) and len(lease.view) == 24 and not lease.view.readonly
+        owner.write(key, 16, f32(1, 2, 3, 4, 5, 6))  # after registration and resolution: no copy was made
+        assert torch.equal(lease.tensor(), torch.tensor([[1., 2, 3], [4, 5, 6]]))
+        owner.write(key, 20, f32(-7))
+        assert lease.tensor()[0, 1].item() == -7.0
+        lease.tensor()[1].fill_(0.5)  # the server writing an output: the client reads it
+        assert owner.read(key, 28, 12) == f32(0.5, 0.5, 0.5)
+    assert lease.released and lease.view is None
+    lease.release()  # idempotent
+    assert registry.status("logits")[0].in_use == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64, torch.bool])
+def test_resolve_keeps_the_dtype(owner, dtype):
+    key = owner.create(64)
+    values = torch.tensor([1, 0, 3, 2]).to(dtype)
+    owner.write(key, 8, values.view(torch.uint8).numpy().tobytes())
+    registry = RegionRegistry()
+    registry.register_system("r", key, 0, 64)
+    with registry.resolve(ref("r", 8, values.nbytes), dtype, (2, 2)) as lease:
+        assert torch.equal(lease.tensor(), values.view(2, 2))
+
+
+def test_resolve_checks_every_rule_and_names_the_field(owner):
+    key = owner.create(4096)
+    registry = RegionRegistry()
+    registry.register_system("r", key, 0, 1024)
+    registry.register_system("odd", key, 2, 64)  # the region itself starts 2 bytes in
+    with pytest.raises(RegionNotFound, match=r"^logits.region: no region 'nope' registered"):
+        registry.resolve(ref("nope", 0, 8), torch.float32, (2,), field="logits")
+    with pytest.raises(ValueError, match=r"^logits.region: offset 1020 \+ byte_size 8 = 1028, past the end of "
+                                         r"region 'r' \(1024 bytes\)"):
+        registry.resolve(ref("r", 1020, 8), torch.float32, (2,), field="logits")
+    with pytest.raises(ValueError, match=r"^logits.region.offset: 2 is not a multiple of the itemsize 4 of float32"):
+        registry.resolve(ref("r", 2, 8), torch.float32, (2,), field="logits")
+    with pytest.raises(ValueError, match=r"^x.region.offset: 0 \(\+ the region's own offset 2\) is not a multiple "
+                                         r"of the itemsize 8 of int64"):
+        registry.resolve(ref("odd", 0, 8), torch.int64, (1,), field="x")
+    with registry.resolve(ref("odd", 6, 8), torch.int64, (1,)):  # the region's 2 + 6: aligned
+        pass
+    with pytest.raises(ValueError, match=r"^x.region.byte_size: 12, but shape \[2, 2\] of float32 needs 16 bytes"):
+        registry.resolve(ref("r", 0, 12), torch.float32, (2, 2), field="x")
+    with pytest.raises(ValueError, match=r"^out.region.byte_size: 8, but shape \[4\] of float32 needs at least 16"):
+        registry.resolve(ref("r", 0, 8), torch.float32, (4,), field="out", exact=False)
+    with registry.resolve(ref("r", 0, 100), torch.float32, (4,), field="out", exact=False) as lease:
+        assert len(lease.view) == 16  # Triton's rule for outputs: a larger slice, the tensor's bytes used
+    with registry.resolve(ref("r", 8, 0), torch.float32, (0, 5)) as lease:  # empty tensors are fine
+        assert lease.tensor().shape == (0, 5)
+    assert registry.status("r")[0].in_use == 0  # refused resolutions hold nothing
+
+
+def test_an_object_shrunk_after_registration_is_refused_not_read(owner):
+    key = owner.create(8192)
+    registry = RegionRegistry()
+    registry.register_system("r", key, 4096, 4096)
+    owner.truncate(key, 4096)
+    with pytest.raises(ValueError, match=r"logits.region: the shared-memory object .* shrank to 4096 bytes"):
+        registry.resolve(ref("r", 0, 8), torch.float32, (2,), field="logits")
+    assert registry.unregister("r") == ["r"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root opens a read-only object for writing anyway")
+def test_a_read_only_object_is_an_input_only_region(owner):
+    key = owner.create(64)
+    owner.chmod(key, 0o444)
+    registry = RegionRegistry()
+    assert not registry.register_system("r", key, 0, 64).writable
+    with registry.resolve(ref("r", 0, 8), torch.float32, (2,)):
+        pass
+    with pytest.raises(ValueError, match="out.region: region 'r' is read-only"):
+        registry.resolve(ref("r", 0, 8), torch.float32, (2,), field="out", writable=True)
+
+
+# ----------------------------------------------------------------------- owners, limits, leases
+
+
+def test_a_region_is_visible_only_to_its_owner(owner):
+    key = owner.create(4096)
+    alice, bob = owner_of("Bearer alice"), owner_of("Bearer bob")
+    registry = RegionRegistry()
+    registry.register_system("r", key, 0, 64, owner=alice)
+    assert registry.status(owner=bob) == [] and registry.status(owner=None) == []
+    with pytest.raises(RegionNotFound):
+        registry.status("r", owner=bob)
+    with pytest.raises(RegionNotFound, match="no region 'r' registered"):
+        registry.resolve(ref("r", 0, 8), torch.float32, (2,), owner=bob)
+    assert registry.unregister("r", owner=bob) == [] and registry.unregister("", owner=bob) == []
+    registry.register_system("r", key, 64, 64, owner=bob)  # names are per owner
+    assert registry.status("r", owner=alice)[0].offset == 0 and registry.status("r", owner=bob)[0].offset == 64
+    with registry.resolve(ref("r", 0, 8), torch.float32, (2,), owner=alice):
+        pass
+    assert registry.unregister(owner=alice) == ["r"] and [i.name for i in registry.status(owner=bob)] == ["r"]
+
+
+def test_limits_on_regions_and_mapped_bytes(owner):
+    key = owner.create(64 * 1024)
+    registry = RegionRegistry(max_regions=2, max_mapped_bytes=10_000)
+    registry.register_system("a", key, 0, 4000)
+    with pytest.raises(ValueError):  # a failed registration holds nothing back
+        registry.register_system("c", "no-such-object-" + uuid.uuid4().hex, 0, 1)
+    assert registry.mapped_count == 1 and registry.mapped_bytes == 4000
+    with pytest.raises(TooLarge, match=r"byte_size: registering 'b' would map 14000 bytes, over the server's limit "
+                                       r"of 10000 \(4000 mapped now\)"):
+        registry.register_system("b", key, 0, 10_000)
+    registry.register_system("b", key, 0, 6000)
+    with pytest.raises(TooLarge, match=r"name: registering 'c' would map 3 regions, over the server's limit of 2"):
+        registry.register_system("c", key, 0, 1)
+    assert registry.mapped_count == 2 and registry.mapped_bytes == 10_000
+    registry.unregister("a")
+    registry.register_system("c", key, 0, 4000)
+
+
+def test_unregister_while_leased_keeps_the_mapping_until_the_last_lease(owner):
+    key = owner.create(4096)
+    registry = RegionRegistry(max_regions=2)
+    registry.register_system("r", key, 0, 4096)
+    first = registry.resolve(ref("r", 0, 8), torch.float32, (2,))
+    second = registry.resolve(ref("r", 8, 8), torch.float32, (2,))
+    assert registry.status("r")[0].in_use == 2
+    assert registry.unregister("r") == ["r"]
+    assert registry.status() == [] and registry.mapped_count == 1 and registry.mapped_bytes == 4096
+    with pytest.raises(RegionNotFound):  # gone for new calls at once
+        registry.resolve(ref("r", 0, 8), torch.float32, (2,))
+    owner.write(key, 0, f32(3, 4))
+    assert first.tensor().tolist() == [3.0, 4.0]  # still mapped for the calls holding it
+    registry.register_system("r", key, 0, 64)  # the name is free again: a new mapping
+    assert registry.mapped_count == 2
+    first.release()
+    assert registry.mapped_count == 2
+    second.release()
+    assert registry.mapped_count == 1 and registry.mapped_bytes == 64
+    registry.close()
+    assert registry.mapped_count == 0
+
+
+def test_leases_from_another_thread(owner):
+    key = owner.create(4096)
+    registry = RegionRegistry()
+    registry.register_system("r", key, 0, 4096)
+    leases = [registry.resolve(ref("r", 4 * i, 4), torch.float32, (1,)) for i in range(200)]
+    registry.unregister("r")
+    threads = [threading.Thread(target=lambda part=leases[i::4]: [lease.release() for lease in part]) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert registry.mapped_count == 0 and registry.mapped_bytes == 0
+
+
+# ------------------------------------------------------------------------ the SharedMemory service
+
+
+class ShmServer:
+    """A grpc.aio server with only the SharedMemory service (guarded, with token auth) on its
+    own event loop thread."""
+
+    def __init__(self, registry: RegionRegistry, tokens: TokenStore):
+        self.registry = registry
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.port = self.run(self._start(tokens))
+
+    async def _start(self, tokens):
+        self.server = grpc.aio.server()
+        regions_servicer.add_to_server(self.registry, GuardedRegistrar(self.server, Guard(tokens=tokens)))
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return port
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def close(self):
+        self.run(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def shm_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("auth") / "tokens"
+    path.write_text("alice\nbob\n")
+    server = ShmServer(RegionRegistry(max_regions=8, max_mapped_bytes=1 << 20, devices={0}), TokenStore(str(path)))
+    yield server
+    server.close()
+
+
+def test_service_end_to_end_with_the_client(shm_server):
+    registry = shm_server.registry
+    with client_regions.shared_array((4, 8), "float32") as buf, \
+            Client(shm_server.target, token="alice", timeout=30) as alice, \
+            Client(shm_server.target, token="bob", timeout=30) as bob:
+        assert alice.register_system("logits", buf) is None  # key and byte_size from the buffer
+        alice.register_system("tail", buf.key, 32, offset=96)
+        status = alice.shared_memory_status()
+        assert [(s.name, s.kind, s.key, s.offset, s.byte_size, s.in_use) for s in status] == [
+            ("logits", "system", buf.key, 0, 128, 0), ("tail", "system", buf.key, 96, 32, 0)]
+        assert alice.shared_memory_status("tail", kind="system")[0].offset == 96
+        assert alice.shared_memory_status(kind="cuda") == []
+
+        buf.array[:] = np.arange(32, dtype=np.float32).reshape(4, 8)
+        with registry.resolve(buf.ref("logits"), torch.float32, (4, 8), owner_of("Bearer alice"), "logits") as lease:
+            assert np.array_equal(lease.tensor().numpy(), buf.array)
+            assert registry.status("logits", owner_of("Bearer alice"))[0].in_use == 1
+            assert alice.shared_memory_status("logits")[0].in_use == 1
+
+        def code(call):
+            with pytest.raises(LogitServeError) as info:
+                call()
+            return info.value.code, info.value.details
+
+        assert code(lambda: alice.register_system("logits", buf)) == (
+            grpc.StatusCode.ALREADY_EXISTS, "name: a region 'logits' is already registered; unregister it first")
+        assert code(lambda: alice.shared_memory_status("nope"))[0] == grpc.StatusCode.NOT_FOUND
+        c, details = code(lambda: alice.register_system("x", "../etc/passwd", 8))
+        assert c == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("key: '../etc/passwd' is not a plain")
+        c, details = code(lambda: alice.register_system("x", buf.key, 1 << 20))
+        assert c == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("byte_size: registering 'x'")
+        c, details = code(lambda: alice.register_cuda("x", b"\0" * 64, device_id=1, byte_size=8))
+        assert c == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("device_id: 1 is not a device of this")
+        c, details = code(lambda: alice.register_cuda("x", b"\0" * 10, device_id=0, byte_size=8))
+        assert c == grpc.StatusCode.INVALID_ARGUMENT and "raw_handle: 10 bytes" in details
+        with Client(shm_server.target, timeout=30) as nobody:
+            assert code(lambda: nobody.shared_memory_status())[0] == grpc.StatusCode.UNAUTHENTICATED
+
+        assert bob.shared_memory_status() == []  # alice's regions are alice's
+        assert code(lambda: bob.shared_memory_status("logits"))[0] == grpc.StatusCode.NOT_FOUND
+        assert bob.unregister("logits") == []
+        bob.register_system("logits", buf)
+        assert bob.unregister() == ["logits"]
+
+        assert alice.unregister("nope") == []
+        assert alice.unregister(kind="cuda") == []
+        assert alice.unregister() == ["logits", "tail"]
+        assert alice.shared_memory_status() == [] and registry.mapped_count == 0
+
+
+def test_service_through_the_async_client(shm_server):
+    async def main():
+        with client_regions.shared_tensor((3, 5), torch.bfloat16) as buf:
+            async with AsyncClient(shm_server.target, token="bob", timeout=30) as bob:
+                await bob.register_system("x", buf)
+                buf.tensor.copy_(torch.linspace(-1, 1, 15).view(3, 5))
+                with shm_server.registry.resolve(buf.ref("x"), torch.bfloat16, (3, 5), owner_of("Bearer bob")) as lease:
+                    assert torch.equal(lease.tensor(), buf.tensor)
+                assert [s.name for s in await bob.shared_memory_status()] == ["x"]
+                assert await bob.unregister("x") == ["x"]
+    asyncio.run(main())
+
+
+def test_client_helpers_copy_once_and_describe_regions():
+    x = np.arange(6, dtype=">f4").reshape(2, 3)  # big-endian: stored little-endian
+    with client_regions.shared_copy(x) as buf:
+        assert buf.array.dtype == np.dtype("<f4") and np.array_equal(buf.array, x) and buf.byte_size == 24
+        assert buf.ref("r", 8) == pb.RegionRef(region="r", offset=8, byte_size=16)
+    assert not os.path.exists(f"/dev/shm/{buf.key}")
+    t = torch.arange(4, dtype=torch.int64)
+    with client_regions.shared_copy(t) as buf:
+        assert torch.equal(buf.tensor, t)
+    msg = client_regions.region_tensor("r", "bfloat16", [2, 3], offset=4)
+    assert (msg.dtype, list(msg.shape), msg.data, msg.region) == (
+        pb.DTYPE_BFLOAT16, [2, 3], b"", pb.RegionRef(region="r", offset=4, byte_size=12))
+    assert client_regions.region_tensor("r", torch.float32, [2]).region.byte_size == 8
+    assert client_regions.region_tensor("r", np.int32, [3]).dtype == pb.DTYPE_INT32
+    with pytest.raises(TypeError, match="device_id and byte_size are required"):
+        client_regions.cuda_request("r", b"\0" * 64, None, 8, 0)
+
+
+# ------------------------------------------------------------------------------------------ CUDA
+
+# The client process: a float32 tensor at an offset inside a larger allocation, registered
+# through the client helper; it keeps the memory until told to go.
+CUDA_CLIENT_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from logitserve.client import Client
+    from logitserve.client.regions import cuda_ipc_handle
+    big = torch.zeros(1 << 20, dtype=torch.float32, device="cuda:0")
+    part = big[1000:1000 + 6 * 7].view(6, 7)
+    part.copy_(torch.arange(42, dtype=torch.float32).view(6, 7) * 0.5 - 3)
+    torch.cuda.synchronize()
+    handle = cuda_ipc_handle(part)
+    with Client(sys.argv[1], token="alice", timeout=60) as client:
+        client.register_cuda("dev", part)
+    print(handle.offset, handle.byte_size, flush=True)
+    sys.stdin.readline()
+""")
+
+
+@pytest.mark.cuda
+def test_cuda_region_from_another_process(shm_server):
+    pytest.importorskip("cuda.bindings")
+    proc = subprocess.Popen([sys.executable, "-c", CUDA_CLIENT_SCRIPT, shm_server.target], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        offset, byte_size = map(int, proc.stdout.readline().split())
+        assert offset >= 4000 and byte_size == 42 * 4  # inside the allocation, not at its base
+        alice = owner_of("Bearer alice")
+        [info] = shm_server.registry.status("dev", alice)
+        assert (info.kind, info.offset, info.byte_size, info.device_id) == ("cuda", offset, byte_size, 0)
+        expect = torch.arange(42, dtype=torch.float32).view(6, 7) * 0.5 - 3
+        with shm_server.registry.resolve(ref("dev", 0, byte_size), torch.float32, (6, 7), alice, "logits") as lease:
+            assert lease.view.is_cuda and lease.view.device.index == 0
+            assert torch.equal(lease.view.cpu(), expect)
+        with shm_server.registry.resolve(ref("dev", 28, 8 * 4), torch.float32, (8,), alice) as lease:
+            assert torch.equal(lease.tensor().cpu(), expect.flatten()[7:15])
+        with pytest.raises(ValueError, match="past the end of region 'dev'"):
+            shm_server.registry.resolve(ref("dev", 8, byte_size), torch.float32, (42,), alice)
+        assert shm_server.registry.unregister("dev", alice) == ["dev"]
+    finally:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(timeout=60)
