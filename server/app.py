@@ -32,6 +32,7 @@ from .metrics import Metrics
 from .occupancy import Occupancy
 from .servicer import LogitServeServicer, request_parsers
 from .tensors import TORCH_DTYPES
+from .version import __version__
 
 log = get_logger("server")
 
@@ -54,8 +55,6 @@ class Service:
     """The running service: device handle, batcher, gRPC server, health, metrics."""
 
     def __init__(self, config: ServerConfig):
-        from . import __version__
-
         self.config = config
         self.version = __version__
         self.limits = ops.Limits(max_rows=config.max_rows, max_vocab=config.max_vocab,

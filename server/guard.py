@@ -4,9 +4,8 @@ request decoding, status codes, metrics and the log line, in that order.
 :class:`Guard` wraps a method's handler; :class:`GuardedRegistrar` stands in for the server in a
 generated ``add_*_to_server`` (LogitServe, health, reflection) and registers the wrapped
 handlers. This is the work gRPC server interceptors would do, without them: with interceptors
-grpc.aio runs an interceptor pipeline per call, which cost about 200 us a call and 30 % of the
-throughput on the H100 host (a Sample handler answering at once: 996 against 780 us p50 at
-concurrency 1, 2,883 against 4,184 calls/s at 64; bench notes in docs/PERFORMANCE.md).
+grpc.aio runs an interceptor pipeline per call, which costs a large share of a short call's time
+and of the server's throughput.
 
 Status codes (the one place they are decided), by exception:
 
@@ -152,8 +151,8 @@ class Guard:
     every call needs ``authorization: Bearer <token>``. Health checks are exempt from both.
 
     The line of a call that succeeded (or was cancelled by its client) is at debug level: at
-    info, formatting and writing it cost about 200 us a call and a third of the throughput on
-    the H100 host (Sample 1x128256, bench/service.py). Failures log at warning, faults at error.
+    info, formatting and writing a line per call costs a large share of the throughput.
+    Failures log at warning, faults at error.
     """
 
     def __init__(self, metrics=None, is_draining=lambda: False, tokens=None, occupancy=None):
