@@ -29,8 +29,10 @@ from .device import DeviceHandle
 from .guard import Guard, GuardedRegistrar, status_for
 from .logs import get_logger, log_event
 from .metrics import Metrics
+from .occupancy import Occupancy
 from .servicer import LogitServeServicer, request_parsers
 from .tensors import TORCH_DTYPES
+from .version import __version__
 
 log = get_logger("server")
 
@@ -53,8 +55,6 @@ class Service:
     """The running service: device handle, batcher, gRPC server, health, metrics."""
 
     def __init__(self, config: ServerConfig):
-        from . import __version__
-
         self.config = config
         self.version = __version__
         self.limits = ops.Limits(max_rows=config.max_rows, max_vocab=config.max_vocab,
@@ -63,10 +63,11 @@ class Service:
         self.metrics = Metrics()
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
-        guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens)
+        self.occupancy = Occupancy()  # counted by the guard; read by the batcher and busy polling
+        guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens, occupancy=self.occupancy)
         self.batcher = Batcher(self.handle, max_batch_rows=config.max_batch_rows,
                                max_delay_s=config.max_delay_us * 1e-6, max_queue=config.max_queue,
-                               metrics=self.metrics, occupancy=guard.occupancy,
+                               metrics=self.metrics, calls_in_server=lambda: self.occupancy.calls,
                                on_failure=self._after_failed_launch)
         self.metrics.queue_depth.set_function(lambda: self.batcher.queue_depth)
         self.health = health.aio.HealthServicer()
@@ -106,8 +107,7 @@ class Service:
         loop = asyncio.get_running_loop()
         busy_poll_us = 0
         if isinstance(loop, BusyPollEventLoop):  # `logitserve serve` with --busy-poll-us
-            occupancy = self.batcher.occupancy
-            loop.hold_off_while(lambda: self.handle.thread_busy or not occupancy.serves_a_lone_client())
+            loop.poll_for_a_lone_client(self.occupancy, lambda: self.handle.thread_busy)
             busy_poll_us = loop.window_us
         self.batcher.start()
         await self.server.start()

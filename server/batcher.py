@@ -2,22 +2,16 @@
 
 Calls with equal ``key`` (same op, dtype, row width, and the op's static options) wait in one
 group. A group launches when it holds ``max_batch_rows`` rows or its oldest call has waited
-``max_delay_s``; while the device is busy with one launch, groups keep filling, so load itself
-makes batches bigger. One worker task per batcher takes ready groups oldest first and launches
-them with their op's ``run_batch`` on the device handle, one at a time (the handle keeps the
-event loop free while the device works: server/device.py). Before a launch, calls whose client
-cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. The queue is
-bounded: at ``max_queue`` waiting calls, :meth:`Batcher.submit` raises :class:`QueueFull` at
-once. When a launch of several calls fails, each call is retried alone, so one bad request
-cannot fail its neighbours; after a call fails alone, ``on_failure`` (if given) sees why.
+``max_delay_s`` (0: at once); while the device is busy with one launch, groups keep filling, so
+load itself makes batches bigger. One worker task per batcher takes ready groups oldest first
+and launches them on the device handle (:meth:`.device.DeviceHandle.run_batch`), one at a time.
+Every call goes this way. Before a launch, calls whose client cancelled are gone and calls past
+their deadline fail with DEADLINE_EXCEEDED. The queue is bounded: at ``max_queue`` waiting
+calls, :meth:`Batcher.submit` raises :class:`QueueFull` at once. When a launch of several calls
+fails, each call is retried alone, so one bad request cannot fail its neighbours; after a call
+fails alone, ``on_failure`` (if given) sees why.
 
-A call that finds the server idle (the rule: :meth:`Batcher._has_server_to_itself`) skips the
-queue: its own handler launches it and spins for the replay, answering without a task switch.
-On the H100 host that saved a median 60 us of a lone Sample call's 1,390 (docs/PERFORMANCE.md).
-
-``Batcher.before_launch`` is a test hook, set only in-process (tests, ``bench/server_process.py``)
-and never from the wire: called with a launch's calls on the device's launch thread just before
-the launch, it can raise (a device fault: those calls fail with INTERNAL) or sleep (a slow batch).
+How a launch waits for the device is decided here, in :meth:`Batcher.wait_for`.
 """
 
 from __future__ import annotations
@@ -28,16 +22,9 @@ from typing import Awaitable, Callable
 
 from .device import Wait
 from .errors import DeadlineExpired, Draining, QueueFull
-from .guard import Occupancy
 from .logs import get_logger, log_event
 
 log = get_logger("batcher")
-
-# A call launches at once in its own handler, not through the queue, when it is the only call in
-# a server that serves a lone client (guard.Occupancy.serves_a_lone_client). A handler that never
-# yields lets no other call in, so calls launched at once run one by one: on the H100 host, with
-# an idle rule alone (no overlap rule), 64 calls in flight got 2.3 calls a launch against 3.9
-# through the queue.
 
 
 @dataclass(eq=False)
@@ -60,11 +47,11 @@ class Batcher:
     """Coalesces compatible calls into launches on one :class:`~.device.DeviceHandle`."""
 
     def __init__(self, handle, *, max_batch_rows: int, max_delay_s: float, max_queue: int, metrics=None,
-                 occupancy: Occupancy | None = None,
+                 calls_in_server: Callable[[], int] | None = None,
                  on_failure: Callable[[BaseException], Awaitable[None]] | None = None):
         self.handle = handle
         self.on_failure = on_failure  # awaited with what a launch of one call raised
-        self.occupancy = occupancy  # the RPCs the server is handling (Guard.occupancy), if known
+        self.calls_in_server = calls_in_server  # the RPCs the server is handling, if known (app.py)
         self.max_batch_rows = max_batch_rows
         self.max_delay_s = max_delay_s
         self.max_queue = max_queue
@@ -73,11 +60,9 @@ class Batcher:
         self.batched_requests = 0  # calls those launches served
         self._groups: dict[object, _Group] = {}
         self._queued = 0
-        self._launching = False  # a launch is under way: see _launch_ended
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._closed = False
-        self.before_launch: Callable[[list], None] | None = None  # test hook: see the module docstring
 
     @property
     def queue_depth(self) -> int:
@@ -91,10 +76,6 @@ class Batcher:
         """Queue ``call`` and wait for its result; ``timeout`` is the call's remaining deadline."""
         if self._closed:
             raise Draining("server is shutting down")
-        if self._has_server_to_itself():
-            if timeout is not None and timeout <= 0:
-                raise DeadlineExpired("deadline passed before launch")
-            return await self._launch_at_once(call)
         if self._queued >= self.max_queue:
             raise QueueFull(f"queue full: {self._queued} requests waiting (--max-queue {self.max_queue})")
         loop = asyncio.get_running_loop()
@@ -112,78 +93,19 @@ class Batcher:
             self._wakeup.set()  # a new group (the worker times its delay) or a full one
         return await pending.future
 
-    async def submit_prelaunched(self, prelaunch, make_call: Callable[[], object], *, timeout: float | None = None):
-        """:meth:`submit` of the call ``make_call()`` makes (validating its request, raising what
-        the request breaks), whose launch ``prelaunch`` has read from the request already
-        (ops.Prelaunch). A call that finds the server to itself (as :meth:`submit` would launch
-        at once) replays its graph first and is made while the device works; the replay's result
-        stands if the call made is the one launched, else the call launches again, and what
-        ``make_call`` raises is raised once the replay is done. Any other call is made first and
-        submitted. Validation then runs while the device works instead of before it starts
-        (docs/PERFORMANCE.md has what that saved a lone Sample call on the H100 host)."""
-        if (self._closed or self.before_launch is not None or not self._has_server_to_itself()
-                or (timeout is not None and timeout <= 0)):
-            return await self.submit(make_call(), timeout=timeout)
-        return await self._at_once(self._prelaunched(prelaunch, make_call))
-
-    async def _prelaunched(self, prelaunch, make_call: Callable[[], object]):
-        call = None
-
-        def made_meanwhile() -> None:
-            nonlocal call
-            call = make_call()
-        outputs = await self.handle.replay_alone(prelaunch.key, prelaunch.parts, Wait.SPIN, meanwhile=made_meanwhile)
-        if outputs is None:  # no graph captured for it yet: made first, then launched
-            call = make_call()
-        self._count_launch([call], queue_seconds=[0.0])
-        if outputs is not None and prelaunch.launches(call):
-            return call.lone_result(outputs)
-        return await self._run_alone(call)
-
-    def _has_server_to_itself(self) -> bool:
-        """Whether the call being submitted is the only one in a server that serves a lone client,
-        and no launch is queued or under way: then no one is there to share its launch, and none
-        is on the way. Never when ``max_delay_s`` asks calls to wait for company."""
-        o = self.occupancy
-        return (o is not None and o.calls == 1 and o.serves_a_lone_client()
-                and self._queued == 0 and not self._launching and self.max_delay_s == 0)
-
-    async def _launch_at_once(self, call):
-        """Launch ``call`` alone in the caller's task, its replay waited for by spinning: with the
-        graph captured, the handler runs to its answer without yielding to the event loop."""
-        self._count_launch([call], queue_seconds=[0.0])
-        return await self._at_once(self._run_alone(call))
-
-    async def _run_alone(self, call):
-        if self.before_launch is not None:
-            await self.handle.run(self.before_launch, [call])
-        result, = await type(call).run_batch([call], self.handle, wait=Wait.SPIN)
-        return result
-
-    async def _at_once(self, launch: Awaitable):
-        """Await ``launch``, a launch made at once in the caller's task: marked under way until
-        it ends, and what it raises handed to ``on_failure`` too."""
-        self._launching = True
-        try:
-            return await launch
-        except Exception as exc:
-            if self.on_failure is not None:
-                await self.on_failure(exc)
-            raise
-        finally:
-            self._launch_ended()
-
-    def _launch_ended(self) -> None:
-        """A launch (the worker's, or one at once; ``_launching`` marks it under way) has ended:
-        calls that came meanwhile are the worker's to launch."""
-        self._launching = False
-        if self._groups:
-            self._wakeup.set()
+    def wait_for(self, calls: list) -> Wait:
+        """How the launch of ``calls`` waits for the device: polled on the event loop when the
+        batch holds every call in the server (no one else is there to receive, and two thread
+        hand-overs are saved), else on the launch thread, while the loop receives the calls that
+        fill the next batch. Polled always, a loaded server would launch every call alone: the
+        replay ends before gRPC hands the loop the next call."""
+        in_server = self.calls_in_server
+        return Wait.POLL if in_server is not None and in_server() <= len(calls) else Wait.THREAD
 
     def _count_launch(self, calls: list, queue_seconds: list[float]) -> None:
         if self.metrics is not None:
-            # On the loop's next turn, as the RPC's own metrics (server/guard.py): off a lone
-            # call's way to its answer.
+            # On the loop's next turn, as the RPC's own metrics (server/guard.py): off the
+            # calls' way to their answers.
             asyncio.get_running_loop().call_soon(self._observe_launch, calls, queue_seconds)
         self.launches += 1
         self.batched_requests += len(calls)
@@ -234,12 +156,12 @@ class Batcher:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = None if self._launching else self._take_ready(loop.time())
+            batch = self._take_ready(loop.time())
             if batch is None:
                 self._wakeup.clear()
-                # Nothing ready, or a call launched at once has the device: sleep until submit
-                # opens or fills a group, that launch ends, or the oldest group's delay runs out.
-                ready_at = None if self._launching else self._next_ready_at()
+                # Nothing ready: sleep until submit opens or fills a group, or the oldest
+                # group's delay runs out.
+                ready_at = self._next_ready_at()
                 timeout = None if ready_at is None else max(ready_at - loop.time(), 0.0)
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), timeout)
@@ -247,23 +169,14 @@ class Batcher:
                     pass
                 continue
             if batch:
-                self._launching = True
-                try:
-                    await self._launch(batch, loop)
-                finally:
-                    self._launch_ended()
+                await self._launch(batch, loop)
 
     async def _launch(self, batch: list[_Pending], loop) -> None:
         calls = [p.call for p in batch]
         start = loop.time()
         self._count_launch(calls, queue_seconds=[start - p.enqueued for p in batch])
         try:
-            if self.before_launch is not None:
-                await self.handle.run(self.before_launch, calls)
-            # A batch that holds every call in the server has no one to wait for: its replay is
-            # polled on the event loop, saving two thread hand-overs (server/device.py).
-            alone = self.occupancy is not None and self.occupancy.calls <= len(calls)
-            results = await type(calls[0]).run_batch(calls, self.handle, wait=Wait.POLL if alone else Wait.THREAD)
+            results = await self.handle.run_batch(calls, self.wait_for(calls))
         except Exception as exc:  # noqa: BLE001 - handed to the calls, or isolated below
             if len(batch) == 1:
                 self._resolve(batch[0], exc=exc)

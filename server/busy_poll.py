@@ -1,32 +1,17 @@
-"""An event loop that polls for a while before it sleeps (``--busy-poll-us``).
+"""Busy polling (``--busy-poll-us``): the server's one strategy for a lone client, one call
+after another.
 
 gRPC's poller thread hands each call to the event loop by writing to a socket the loop waits
-on. A loop asleep in ``epoll_wait`` is woken by the kernel, and on the lent H100 host (a
-virtual machine) a woken thread starts late: the loop, its core and its caches come back cold.
-A loop that keeps polling (``epoll_wait`` with no timeout) for ``--busy-poll-us`` after its last
-event sees the next call at once. A client calling one call after another leaves the server idle
-for its round trip, 700 us and more on that host; a window of 2000 us covers it.
+on. A loop asleep in ``epoll_wait`` is woken by the kernel, and on a virtual machine a woken
+thread starts late, its core and caches cold. A loop that keeps polling (``epoll_wait`` with no
+timeout) for ``--busy-poll-us`` after its last event sees the next call at once; a lone client
+leaves the server idle for its whole round trip, which a window of 2000 us covers.
 
-Measured there, Sample 1x128256 bf16, p50 at concurrency 1 with a 2 ms window against none
-(``python -m bench.service_ablation``, 2026-11-22): 1,203 against 1,328 us, lower in each of
-10 rounds; in a later run 1,306 against 1,308 us; in a third (20 rounds, variants in random
-order) 1,138 against 1,109 us by median, while against the previous commit the polling server
-gained a median 57 us a round and the sleeping one 15. Under load (8 and 64 calls in flight, two
-runs of 3 and 5 rounds) the polling server served 5-11 % fewer calls a second than the sleeping
-one, by median. It stayed off by default then.
-
-Since the loop holds off whenever the server does not serve a lone client (two calls at once in
-the last 50 ms, server/guard.py), under load it sleeps as before, and three runs on the H100
-host (2026-11-24, ``python -m bench.service_ablation``, 5 to 8 rounds, the server's own code
-otherwise) gave at concurrency 1: -87 us (4 of 6 rounds lower), -169 us (8 of 8) and -103 us
-(3 of 5; a 1 ms window -122, 5 of 5), and at 8 and 64 in flight x0.97 to x1.06 the calls a
-second. A fourth run, after the default changed (20 rounds), gave -61 us (14 of 20). So it is
-on by default, 2000 us; ``--busy-poll-us 0`` turns it off.
-
-The price: one core at 100 % while calls come less than the window apart; an idle server
-sleeps. While the device's launch thread works (batches under load, captures, warm-up) the loop
-sleeps as usual: a loop polling in Python holds the GIL between polls, and a thread waiting for
-it gets it only when it asks the holder to let go, after the 5 ms switch interval.
+It applies only while the server serves a lone client (:func:`serves_a_lone_client`): under
+load, polling made batches smaller and cost throughput. While the device's launch thread works
+(batches under load, captures, warm-up) the loop sleeps as usual: a loop polling in Python holds
+the GIL between polls, and a thread waiting for it gets it only after the 5 ms switch interval.
+The price: one core at 100 % while calls come less than the window apart; an idle server sleeps.
 """
 
 from __future__ import annotations
@@ -35,6 +20,22 @@ import asyncio
 import selectors
 import time
 from typing import Callable
+
+from .occupancy import Occupancy
+
+# A server serves a lone client when its latest call found it empty for at least
+# LONE_CLIENT_IDLE_S and it has held no two calls at once for LONE_CLIENT_CROWD_S. Under load the
+# next call mostly comes sooner; but not always, and gRPC hands a loaded server its calls one at
+# a time more often than not, so overlap seen once keeps the server off the rule for a while.
+LONE_CLIENT_IDLE_S = 300e-6
+LONE_CLIENT_CROWD_S = 0.05
+
+
+def serves_a_lone_client(occupancy: Occupancy) -> bool:
+    """Whether the latest call came after LONE_CLIENT_IDLE_S of idleness and no two calls were in
+    the server at once for LONE_CLIENT_CROWD_S."""
+    return (occupancy.idle_before >= LONE_CLIENT_IDLE_S
+            and time.monotonic() - occupancy.crowded_at >= LONE_CLIENT_CROWD_S)
 
 
 def _never() -> bool:
@@ -64,7 +65,7 @@ class BusyPollSelector(selectors.DefaultSelector):
 
 
 class BusyPollEventLoop(asyncio.SelectorEventLoop):
-    """An event loop that polls for ``window_us`` before it sleeps (see the module's notes)."""
+    """An event loop that polls for ``window_us`` before it sleeps (see the module's docstring)."""
 
     def __init__(self, window_us: int):
         self.window_us = window_us
@@ -78,6 +79,11 @@ class BusyPollEventLoop(asyncio.SelectorEventLoop):
     def holding_off(self) -> bool:
         """Whether the loop would sleep at once now."""
         return self._selector_polling.hold_off()
+
+    def poll_for_a_lone_client(self, occupancy: Occupancy, thread_busy: Callable[[], bool]) -> None:
+        """Poll only while the server serves a lone client and ``thread_busy()`` (the device's
+        launch thread has work) is false."""
+        self.hold_off_while(lambda: thread_busy() or not serves_a_lone_client(occupancy))
 
 
 def event_loop_factory(window_us: int) -> Callable[[], asyncio.AbstractEventLoop]:

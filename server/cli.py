@@ -17,6 +17,7 @@ import sys
 from .busy_poll import event_loop_factory
 from .config import FLOAT_DTYPE_NAMES, LOG_LEVELS, ServerConfig, default_device
 from .logs import configure, get_logger, log_event
+from .version import __version__
 
 log = get_logger("cli")
 ENV_PREFIX = "LOGITSERVE_"
@@ -140,21 +141,6 @@ async def serve(config: ServerConfig) -> int:
     return 0
 
 
-def to_argv(config: ServerConfig) -> list[str]:
-    """``logitserve serve`` arguments that parse back to ``config``."""
-    argv = []
-    for flag, *_ in FLAGS:
-        value = getattr(config, flag.lstrip("-").replace("-", "_"))
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            value = "on" if value else "off"
-        elif isinstance(value, tuple):
-            value = ",".join(map(str, value)) or "none"
-        argv += [flag, str(value)]
-    return argv
-
-
 def parse(argv: list[str] | None = None, environ=os.environ) -> tuple[str, ServerConfig | None]:
     """``(command, config)`` from the command line and environment; bad values exit 2 with usage."""
     parser = build_parser(environ)
@@ -170,8 +156,6 @@ def parse(argv: list[str] | None = None, environ=os.environ) -> tuple[str, Serve
 def main(argv: list[str] | None = None) -> int:
     command, config = parse(argv)
     if command == "version":
-        from . import __version__
-
         print(__version__)
         return 0
     configure(config.log_level)

@@ -58,8 +58,8 @@ class ServerConfig:
     # One bearer token per line; every RPC but health needs `authorization: Bearer <token>`.
     auth_token_file: str | None = None
     # Server processes sharing the port (SO_REUSEPORT; the kernel spreads connections over them),
-    # each with its own event loop, batcher and CUDA context: one Python process tops out near
-    # 1,600 Sample calls/s on the H100 host, its event loop being the limit (docs/PERFORMANCE.md).
+    # each with its own event loop, batcher and CUDA context: one process's event loop, not the
+    # GPU, limits its throughput.
     workers: int = 1
     # Let other processes bind the same port (what --workers sets for its processes).
     reuse_port: bool = False
@@ -67,8 +67,7 @@ class ServerConfig:
     metrics_port: int = 0
     # How long the event loop polls for the next call before it sleeps, in us (server/busy_poll.py);
     # 0: it sleeps at once. Only while the server serves a lone client (no overlapping calls for
-    # 50 ms), so a loaded server sleeps as before. On the H100 host it took 61-169 us off a lone
-    # Sample call's p50 in four runs, with load throughput within +-6 % (busy_poll.py).
+    # 50 ms), so a loaded server sleeps as before.
     busy_poll_us: int = 2000
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0
@@ -109,6 +108,21 @@ class ServerConfig:
 
     def replace(self, **changes) -> "ServerConfig":
         return dataclasses.replace(self, **changes)
+
+    def to_argv(self) -> list[str]:
+        """``logitserve serve`` arguments that parse back to this config (each field is the flag
+        ``--<field-with-dashes>``)."""
+        argv = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                value = "on" if value else "off"
+            elif isinstance(value, tuple):
+                value = ",".join(map(str, value)) or "none"
+            argv += ["--" + f.name.replace("_", "-"), str(value)]
+        return argv
 
     @property
     def resolved_device(self) -> str:

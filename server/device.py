@@ -5,38 +5,20 @@ interleave). Most run on the handle's launch thread, which waits for the device 
 loop goes on receiving calls; they join the next launch, so batches grow with load. On CUDA
 launches go to the handle's own stream.
 
-A Sample or RouteExperts batch replays a CUDA graph (server/graphs.py) when its graph is
-captured: one byte copy and one replay call, which return at once. A batch of one call whose rows
-fill a captured graph (:meth:`DeviceHandle.replay_alone`) is written into the graph's input
-buffer part by part, with no staging built. How the replay is waited for
-is the caller's choice (:class:`Wait`): the batcher has it polled on the event loop
-(``Wait.POLL``) when the batch holds every call in the server: then there is nothing to wait
-for, and the two thread hand-overs are saved; a call that finds the server idle and launches
-at once (server/batcher.py) spins for it (``Wait.SPIN``). Measured on
-the H100 host, Sample 1x128256 bf16, medians of 4 rounds (``python -m bench.service_ablation
---variants echo,full,full+thread,full+poll --rounds 4``, 2026-11-22):
+Every batch launches through :meth:`DeviceHandle.run_batch`: the fault-injection hook
+(:attr:`DeviceHandle.before_launch`), then the op's ``run_batch``. A Sample or RouteExperts
+batch replays a CUDA graph (server/graphs.py) once its graph is captured: one byte copy and one
+replay call, which return at once. The caller of ``run_batch`` says how the replay is waited
+for (:class:`Wait`): on the launch thread, or polled on the event loop.
 
-===========  =========  =====================  =====================  =====================
-in flight    echo       this rule              always the thread      always polled
-===========  =========  =====================  =====================  =====================
-1            689 us     1,166 us               1,283 us               1,179 us
-8            4,427/s    1,655/s, 1.3 a launch  1,725/s, 2.3 a launch  1,473/s, 1.0 a launch
-64           4,733/s    1,697/s, 2.3 a launch  1,927/s, 3.1 a launch  1,605/s, 1.0 a launch
-===========  =========  =====================  =====================  =====================
-
-Always polled, a loaded server launched every call alone: the replay is done before gRPC has
-handed the loop the next call, so each call paid a launch's host work. Through the thread the
-hand-overs give the next batch time to fill. The rule keeps most of the latency gain, and gives
-up part of the throughput of one process (``--workers`` serves more than one process can).
-
-Launching eagerly from the event loop was measured and rejected: each launch held the loop for
-its host work (about forty torch calls), batches stayed at one request and 64 calls in flight got
-590 calls/s against 1,150 through the thread.
+Launching eagerly from the event loop is not done: each launch would hold the loop for its host
+work (about forty torch calls), and calls arriving meanwhile could not join the next batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import platform
 import threading
@@ -52,7 +34,6 @@ from logitserve import kernels
 from .graphs import Launch, LaunchGraphs, bucket_rows
 from .logs import get_logger, log_event
 from .staging import Staging, to_host
-from .tensors import HostTensor
 
 log = get_logger("device")
 
@@ -63,27 +44,24 @@ log = get_logger("device")
 TRITON_WARMUP_WIDTHS = (32000, 128256, 151936)
 CPU_WARMUP_WIDTHS = (64,)
 
-# Longest a spinning wait (Wait.SPIN) holds the event loop before it polls instead: many times a
-# lone call's replay (about 50 us for Sample 1x128256 on the H100), short enough that a stuck
-# replay does not stall the loop's other calls and health checks.
-SPIN_LIMIT_S = 2e-3
-
 # The handle whose device and stream the current thread launches on (DeviceHandle._bind).
 _bound = threading.local()
 
 
 class Wait(enum.Enum):
-    """How a graph replay is started and waited for (:meth:`DeviceHandle.launch`)."""
+    """How a graph replay is started and waited for (:meth:`DeviceHandle.run_batch`)."""
 
     # On the launch thread, which waits for the stream while the event loop goes on receiving
     # calls: they fill the next batch.
     THREAD = "thread"
-    # On the event loop, polling the stream between the loop's other callbacks: a batch that holds
-    # every call in the server saves two thread hand-overs.
+    # On the event loop, polling the stream between the loop's other callbacks: when no other
+    # call is in the server, this saves the two thread hand-overs.
     POLL = "poll"
-    # On the event loop, spinning on the stream: nothing else runs until the replay is done, so
-    # a call that has the server to itself is answered without its handler ever yielding.
-    SPIN = "spin"
+
+
+# The wait of the batch the current task is launching (set by DeviceHandle.run_batch for the
+# op's run_batch, read by DeviceHandle.launch): a task's own, so warm-up and requests never mix.
+_wait: contextvars.ContextVar[Wait] = contextvars.ContextVar("logitserve_wait", default=Wait.THREAD)
 
 
 class DeviceHandle:
@@ -109,6 +87,11 @@ class DeviceHandle:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"logitserve-{self.device}")
         self._thread_work = 0  # submitted to the launch thread and not yet done
         self._lock = asyncio.Lock()  # one launch at a time: warm-up and the batcher share the device
+        # The fault-injection point for tests and benchmarks, set in-process only (never from the
+        # wire): called with a batch's calls on the launch thread before each launch of a batch
+        # (run_batch). It may raise (a device fault: those calls fail, INTERNAL) or sleep (a slow
+        # device).
+        self.before_launch: Callable[[list], None] | None = None
 
     @property
     def properties(self) -> dict:
@@ -130,16 +113,29 @@ class DeviceHandle:
         """Kernel descriptors cached in this process (every op's bounded cache)."""
         return kernels.plan_cache_size()
 
-    async def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch, *,
-                     wait: Wait = Wait.THREAD) -> list[np.ndarray]:
+    async def run_batch(self, calls: list, wait: Wait = Wait.THREAD) -> list:
+        """Launch ``calls`` (compatible calls of one op) as one batch; one result per call.
+
+        The one way a batch reaches the device: :attr:`before_launch` (when set) on the launch
+        thread, then the op's ``run_batch(calls, handle)``, whose graph replay is waited for as
+        ``wait`` says (a capture or an eager launch always runs on the launch thread).
+        """
+        if self.before_launch is not None:
+            await self.run(self.before_launch, calls)
+        token = _wait.set(wait)
+        try:
+            return await type(calls[0]).run_batch(calls, self)
+        finally:
+            _wait.reset(token)
+
+    async def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray]:
         """An op's batched launch, alone on the device; its outputs on the host, as arrays.
 
         ``stage_for(n)`` lays out the batch's inputs for ``n`` rows (``n >= rows``: the rows past
         the batch are padding); ``launch`` maps their device tensors to output tensors (of dtypes
         numpy has) whose dim 0 is rows. Calls with equal ``key`` have the same launch (see
-        server/graphs.py). Returns the outputs' first ``rows`` rows. ``wait``: how a graph replay
-        is started and waited for (:class:`Wait`; a capture or an eager launch always runs on the
-        launch thread).
+        server/graphs.py). Returns the outputs' first ``rows`` rows. A graph replay is waited
+        for as the batch's :meth:`run_batch` says.
         """
         async with self._lock:
             if self.graphs is not None:
@@ -149,55 +145,19 @@ class DeviceHandle:
                     graph = self.graphs.get(key, bucket)
                     if graph is None:
                         graph = await self.submit(self.graphs.capture, key, bucket, stage, launch)
-                    await self._replay(graph.start, stage, wait)
+                    await self._replay(graph, stage, _wait.get())
                     return graph.outputs(rows)
             return await self.submit(self._launch_eagerly, rows, stage_for, launch)
 
-    async def replay_alone(self, key, parts: tuple[HostTensor, ...], wait: Wait,
-                           meanwhile: Callable[[], None] | None = None) -> list[np.ndarray] | None:
-        """:meth:`launch` for a batch of one call whose ``parts`` (its staged pieces, one per part,
-        dim 0 its rows) fill the graph captured for ``key`` at their rows: written straight into
-        the graph's input buffer, with no staging, layout or closures to build. The path of a
-        call that finds the server idle. None when no graph was captured for them (graphs off,
-        rows not a power of two, or not yet replayed): then the call goes through :meth:`launch`.
-
-        ``meanwhile()``, when given, runs once the replay is queued, while the device works (not
-        with ``Wait.THREAD``); what it raises is raised once the replay is done.
-        """
-        rows = parts[0].shape[0]
-        graph = None if self.graphs is None else self.graphs.get(key, rows)
-        if graph is None:
-            return None
-        async with self._lock:
-            await self._replay(graph.start_alone, parts, wait, meanwhile)
-            return graph.outputs(rows)
-
-    async def _replay(self, start: Callable, inputs, wait: Wait, meanwhile: Callable[[], None] | None = None) -> None:
-        """``start(inputs)`` queues a graph's replay; wait for it as ``wait`` says, running
-        ``meanwhile()`` first where given (see :meth:`replay_alone`)."""
+    async def _replay(self, graph, stage: Staging, wait: Wait) -> None:
+        """Replay ``graph`` over ``stage`` and wait for it as ``wait`` says."""
         if wait is Wait.THREAD:
-            if meanwhile is not None:
-                raise ValueError("meanwhile: needs a replay waited for on the event loop, not Wait.THREAD")
-            await self.submit(start, inputs)  # the thread waits for the stream
-            self.graphs.replays += 1
-            return
-        self._bind()
-        start(inputs)
-        try:
-            if meanwhile is not None:
-                meanwhile()
-        finally:  # the replay owns its buffers until it is done, whatever meanwhile raised
-            if not (wait is Wait.SPIN and self._spun()):
-                await self._polled()
-            self.graphs.replays += 1
-
-    def _spun(self) -> bool:
-        """Spin on the stream, holding the event loop, for up to SPIN_LIMIT_S; whether it is done."""
-        give_up = time.perf_counter() + SPIN_LIMIT_S
-        while not self.stream.query():
-            if time.perf_counter() >= give_up:
-                return False
-        return True
+            await self.submit(graph.start, stage)  # the thread waits for the stream
+        else:
+            self._bind()
+            graph.start(stage)
+            await self._polled()
+        self.graphs.replays += 1
 
     async def _polled(self) -> None:
         """Wait for the stream on the event loop, its other callbacks running between polls."""
@@ -234,9 +194,9 @@ class DeviceHandle:
     async def submit(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the launch thread (and stream), not waiting for other launches.
 
-        A caller cancelled meanwhile (a client that left, whose call was launching in its own
-        handler) gets its CancelledError once ``fn`` has returned, not before: until then the
-        thread is using the stream, and the device must not pass to a replay on the event loop.
+        A caller cancelled meanwhile gets its CancelledError once ``fn`` has returned, not before:
+        until then the thread is using the stream, and the device must not pass to a replay on
+        the event loop.
         """
         done = asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
         self._thread_work += 1
@@ -274,7 +234,7 @@ class DeviceHandle:
         ``widths``: the row widths to compile for (None: the backend's own list, above).
 
         ``make_cases`` returns ``(label, call)`` pairs (server.ops.warmup_calls); each call runs
-        through its op's ``run_batch`` exactly as a request would, compiling its kernels (and
+        through :meth:`run_batch` exactly as a request would, compiling its kernels (and
         capturing its graph).
         """
         if widths is None:
@@ -283,7 +243,7 @@ class DeviceHandle:
         start = time.perf_counter()
         for i, (dtype, label, call) in enumerate(plan, 1):
             t0 = time.perf_counter()
-            await type(call).run_batch([call], self)
+            await self.run_batch([call])
             log_event(log, "warmup", step=f"{i}/{len(plan)}", dtype=str(dtype).removeprefix("torch."), op=label,
                       seconds=round(time.perf_counter() - t0, 3))
             if dtype not in self.warmed_dtypes and all(d != dtype for d, _, _ in plan[i:]):

@@ -7,14 +7,15 @@ loop, so the launch thread's host work, not the GPU, sets the pace (bench/servic
 
 A :class:`CapturedLaunch` is one op's launch for one batch size, captured once together with
 its inputs' copy to the device and its outputs' copy back (kernels reading and writing the
-page-locked buffers: kernel_copy.py), over a static page-locked buffer and a static device
+page-locked buffers: ``logitserve.kernels.copy``, which trades each memcpy node for a cheaper
+kernel node), over a static page-locked buffer and a static device
 buffer. A batch is padded up to the next power of two of its rows (:func:`bucket_rows`), so a
 few graphs per op key serve every batch; the padding rows hold whatever an earlier batch left
 there, and their outputs are never read. :class:`LaunchGraphs` keeps them per (key, bucket),
 captured on first use and dropped least recently used beyond a byte budget of page-locked
 memory. A graph is captured on the device's launch thread (the first run compiles); a replay
-starts on the launch thread or on the event loop, as the launch's ``wait`` says
-(:meth:`.device.DeviceHandle.launch`).
+starts on the launch thread or on the event loop, as the batch's ``wait`` says
+(:meth:`.device.DeviceHandle.run_batch`).
 
 A captured launch replays what the launch function did while it was captured: only its input
 tensors' contents change between replays, so the function must depend on nothing but its
@@ -23,16 +24,15 @@ inputs and the key (dtype, row width, static options), which is what the ops' ba
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Callable
 
 import numpy as np
 import torch
 
-from .kernel_copy import copy_by_kernel
+from logitserve.kernels.copy import copy_by_kernel
+
 from .staging import Staging
-from .tensors import HostTensor
 
 # Batches whose staged inputs exceed this launch eagerly: there the copies, not the host calls,
 # take the time, and graphs of that size would pin a lot of memory. 16 MiB is 64 rows of a
@@ -58,9 +58,6 @@ class CapturedLaunch:
         self._stream = stream
         self._host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=True)
         self._host_bytes = memoryview(self._host.numpy())
-        # Each staged part's bytes in the input buffer, for start_alone.
-        self._part_bytes = [self._host_bytes[offset:offset + math.prod(shape) * dtype.itemsize]
-                            for shape, dtype, offset in self.layout]
         self._device = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         inputs = stage.views(self._device)
         # Run once before capturing, copies included: it compiles the kernels and builds their
@@ -91,14 +88,6 @@ class CapturedLaunch:
         if stage.layout != self.layout:
             raise RuntimeError(f"staged inputs {stage.layout} do not match the captured layout {self.layout}")
         stage.write(self._host_bytes)
-        self._graph.replay()
-
-    def start_alone(self, parts: tuple[HostTensor, ...]) -> None:
-        """:meth:`start` for a batch of one call whose rows fill the bucket: ``parts`` (the call's
-        own pieces, one per staged part) are written straight into their places, with no Staging.
-        A part of another size raises ``ValueError`` before the replay."""
-        for place, part in zip(self._part_bytes, parts, strict=True):
-            place[:] = part.data
         self._graph.replay()
 
     def outputs(self, rows: int) -> list[np.ndarray]:

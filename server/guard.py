@@ -4,9 +4,8 @@ request decoding, status codes, metrics and the log line, in that order.
 :class:`Guard` wraps a method's handler; :class:`GuardedRegistrar` stands in for the server in a
 generated ``add_*_to_server`` (LogitServe, health, reflection) and registers the wrapped
 handlers. This is the work gRPC server interceptors would do, without them: with interceptors
-grpc.aio runs an interceptor pipeline per call, which cost about 200 us a call and 30 % of the
-throughput on the H100 host (a Sample handler answering at once: 996 against 780 us p50 at
-concurrency 1, 2,883 against 4,184 calls/s at 64; bench notes in docs/PERFORMANCE.md).
+grpc.aio runs an interceptor pipeline per call, which costs a large share of a short call's time
+and of the server's throughput.
 
 Status codes (the one place they are decided), by exception:
 
@@ -27,7 +26,6 @@ import contextvars
 import inspect
 import itertools
 import logging
-import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -66,52 +64,9 @@ class CallRecord:
 
     rpc: str
     request_id: str
-    counted: bool  # in Guard.occupancy
+    counted: bool  # in the occupancy the guard counts calls in (health checks are not)
     rows: int = 0
     code: grpc.StatusCode = grpc.StatusCode.OK
-
-
-# A server serves a lone client (one call after another) when its latest call found it empty for
-# at least LONE_CLIENT_IDLE_S and it has held no two calls at once for LONE_CLIENT_CROWD_S. Such a
-# client leaves the server empty for its whole round trip (700 us and more on the H100 host).
-# Under load the next call is mostly in gRPC's hands as the last one ends and comes sooner; but
-# not always, and gRPC hands a loaded server its calls one at a time more often than not, so
-# overlap seen once keeps the server off the lone-client rules for a while. Launching a call at
-# once in its handler (batcher.py) and busy polling (busy_poll.py) apply only to a lone client:
-# under load both made batches smaller and cost throughput on the H100 host.
-LONE_CLIENT_IDLE_S = 300e-6
-LONE_CLIENT_CROWD_S = 0.05
-
-
-class Occupancy:
-    """The calls the server is handling (health checks aside, their Watch streams are long), how
-    long it had been empty when the latest call that found it empty arrived, and when it last held
-    more than one call."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.idle_before = 0.0  # seconds
-        self.crowded_at = -math.inf  # time.monotonic()
-        self._empty_since = time.monotonic()
-
-    def enter(self) -> None:
-        now = time.monotonic()
-        if self.calls == 0:
-            self.idle_before = now - self._empty_since
-        else:
-            self.crowded_at = now
-        self.calls += 1
-
-    def leave(self) -> None:
-        self.calls -= 1
-        if self.calls == 0:
-            self._empty_since = time.monotonic()
-
-    def serves_a_lone_client(self) -> bool:
-        """Whether the latest call came after LONE_CLIENT_IDLE_S of idleness and no two calls
-        were in the server at once for LONE_CLIENT_CROWD_S."""
-        return (self.idle_before >= LONE_CLIENT_IDLE_S
-                and time.monotonic() - self.crowded_at >= LONE_CLIENT_CROWD_S)
 
 
 _current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("logitserve_call", default=None)
@@ -196,15 +151,17 @@ class Guard:
     every call needs ``authorization: Bearer <token>``. Health checks are exempt from both.
 
     The line of a call that succeeded (or was cancelled by its client) is at debug level: at
-    info, formatting and writing it cost about 200 us a call and a third of the throughput on
-    the H100 host (Sample 1x128256, bench/service.py). Failures log at warning, faults at error.
+    info, formatting and writing a line per call costs a large share of the throughput.
+    Failures log at warning, faults at error.
     """
 
-    def __init__(self, metrics=None, is_draining=lambda: False, tokens=None):
+    def __init__(self, metrics=None, is_draining=lambda: False, tokens=None, occupancy=None):
         self._metrics = metrics
         self._is_draining = is_draining
         self._tokens = tokens
-        self.occupancy = Occupancy()  # calls admitted and not yet finished
+        # Counts calls admitted and not yet finished (enter() / leave(); occupancy.Occupancy),
+        # if given.
+        self._occupancy = occupancy
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler, parse=None) -> grpc.RpcMethodHandler:
         """``handler`` guarded; ``parse``, when given, deserializes its requests instead of the
@@ -217,8 +174,8 @@ class Guard:
             """The call's record (set as the current one) and its metadata."""
             metadata = _metadata(context)
             record = CallRecord(rpc, metadata.get(REQUEST_ID_KEY) or _new_request_id(), counted=not exempt)
-            if record.counted:
-                self.occupancy.enter()
+            if record.counted and self._occupancy is not None:
+                self._occupancy.enter()
             # Runs inside the handler's task: the record it sets is that call's alone.
             _current.set(record)
             context.set_trailing_metadata(((REQUEST_ID_KEY, record.request_id),))
@@ -279,8 +236,8 @@ class Guard:
         return _rebuild(handler, unary, stream, parse)
 
     def _finish(self, record: CallRecord, t0: float) -> None:
-        if record.counted:
-            self.occupancy.leave()
+        if record.counted and self._occupancy is not None:
+            self._occupancy.leave()
         # Metrics and the log line wait for the loop's next turn: the answer is on its way by then
         # (gRPC sends it as the handler returns), and the caller does not wait for them.
         asyncio.get_running_loop().call_soon(self._report, record, time.perf_counter() - t0)

@@ -9,7 +9,6 @@ The requests of the RPCs that carry tensors (the operators, Step, StreamSteps) a
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import Callable
 
 from logitserve.v1 import logitserve_pb2 as pb
@@ -80,14 +79,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         return result.to_pb()
 
     async def Sample(self, request: Received, context):
-        prelaunch = ops.SampleCall.prelaunch(request.message, request.tensor_bytes)
-        if prelaunch is None:
-            return await self._run(self._call(ops.SampleCall, request), context)
-        # A lone call replays while it is validated (Batcher.submit_prelaunched).
-        note_rows(prelaunch.rows)
-        result = await self._service.batcher.submit_prelaunched(
-            prelaunch, functools.partial(self._call, ops.SampleCall, request), timeout=context.time_remaining())
-        return result.to_pb()
+        return await self._run(self._call(ops.SampleCall, request), context)
 
     async def RouteExperts(self, request: Received, context):
         return await self._run(self._call(ops.RouteExpertsCall, request), context)

@@ -2,8 +2,7 @@
 
 A batch's inputs are many small host tensors: each request's rows (the bytes of its message)
 and the per-row parameters. Copied one by one from pageable memory, each is a synchronous
-transfer through the driver's staging buffer: 98 us for one 1x128256 bfloat16 row and 4 ms for
-64 of them on the H100 host (bench/service_breakdown.py). :class:`Staging` packs them into one
+transfer through the driver's staging buffer. :class:`Staging` packs them into one
 page-locked buffer and sends that with one asynchronous copy; :func:`to_host` queues a result's
 copy back into page-locked memory, read once the launch's stream is done
 (:meth:`.device.DeviceHandle.run` waits for it). On the CPU both are plain copies.

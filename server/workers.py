@@ -1,11 +1,10 @@
 """``logitserve serve --workers N``: N server processes on one port.
 
-One Python process serves gRPC from one event loop, and that loop, not the GPU, limits it (about
-1,600 Sample calls/s on the H100 host against 3,000+ for gRPC alone; docs/PERFORMANCE.md). This
-supervisor starts N ordinary ``logitserve serve`` processes with ``--reuse-port on``; the kernel
-spreads incoming connections over them (SO_REUSEPORT). Each has its own event loop, batcher,
-CUDA context and warm-up, and batches only its own calls; worker i serves metrics on
-``--metrics-port`` + i. With ``--port 0`` the supervisor picks the port and holds it (bound,
+One Python process serves gRPC from one event loop, and that loop, not the GPU, limits its
+throughput. This supervisor starts N ordinary ``logitserve serve`` processes with
+``--reuse-port on``; the kernel spreads incoming connections over them (SO_REUSEPORT). Each has
+its own event loop, batcher, CUDA context and warm-up, and batches only its own calls; worker i
+serves metrics on ``--metrics-port`` + i. With ``--port 0`` the supervisor picks the port and holds it (bound,
 not listening) so every worker gets the same one.
 
 SIGTERM, SIGINT and SIGHUP are passed on to every worker. The supervisor exits when they have:
@@ -37,8 +36,6 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 
 
 def run_workers(config: ServerConfig) -> int:
-    from .cli import to_argv
-
     try:
         reserved = _reserve_port(config.host, config.port)
     except OSError as exc:
@@ -49,7 +46,7 @@ def run_workers(config: ServerConfig) -> int:
     for i in range(config.workers):
         worker = config.replace(workers=1, reuse_port=True, port=port,
                                 metrics_port=config.metrics_port + i if config.metrics_port else 0)
-        workers.append(subprocess.Popen([sys.executable, "-m", "logitserve.server.cli", "serve", *to_argv(worker)]))
+        workers.append(subprocess.Popen([sys.executable, "-m", "logitserve.server.cli", "serve", *worker.to_argv()]))
     log_event(log, "workers started", port=port, pids=[w.pid for w in workers])
 
     stopping = False

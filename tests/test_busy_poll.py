@@ -1,14 +1,37 @@
 """The busy-polling event loop (--busy-poll-us): it answers events inside and after its window,
-honours timeouts, and sleeps while the server's launch thread works or no lone client calls."""
+honours timeouts, and sleeps while the server's launch thread works or no lone client calls;
+the occupancy it decides that from."""
 
 import asyncio
 import socket
 import threading
 import time
 
-from logitserve.server.busy_poll import BusyPollSelector, event_loop_factory
+from logitserve.server.busy_poll import (LONE_CLIENT_CROWD_S, LONE_CLIENT_IDLE_S, BusyPollSelector, event_loop_factory,
+                                        serves_a_lone_client)
 from logitserve.server.config import ServerConfig
-from logitserve.server.guard import LONE_CLIENT_IDLE_S
+from logitserve.server.occupancy import Occupancy
+
+
+def test_occupancy_counts_calls_and_times_idleness_and_crowding():
+    o = Occupancy()
+    o.enter()
+    assert o.calls == 1 and o.crowded_at == -float("inf")
+    o.leave()
+    time.sleep(0.02)
+    before = time.monotonic()
+    o.enter()
+    assert o.idle_before >= 0.02 and o.crowded_at == -float("inf") and serves_a_lone_client(o)
+    o.enter()  # a second call while the first is in
+    assert o.calls == 2 and o.crowded_at >= before and not serves_a_lone_client(o)
+    o.leave()
+    o.leave()
+    o.enter()
+    assert o.calls == 1 and o.idle_before < LONE_CLIENT_IDLE_S and not serves_a_lone_client(o)
+    o.crowded_at -= LONE_CLIENT_CROWD_S
+    assert not serves_a_lone_client(o)  # no overlap for long, but the call came straight after another
+    o.idle_before = LONE_CLIENT_IDLE_S
+    assert serves_a_lone_client(o)
 
 
 def _ready_after(delay_s: float, window_s: float, timeout: float | None):
@@ -78,7 +101,7 @@ def test_server_polls_only_for_a_lone_client_and_not_while_its_launch_thread_wor
         await service.start()
         try:
             hold_off = asyncio.get_running_loop().holding_off
-            occupancy = service.batcher.occupancy
+            occupancy = service.occupancy
             assert hold_off()  # no call yet: nothing says a lone client calls
             occupancy.idle_before = LONE_CLIENT_IDLE_S  # a call after an idle gap, as a lone client's come
             assert not hold_off()

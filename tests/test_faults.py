@@ -2,8 +2,9 @@
 mid-batch, a full queue, SIGTERM with calls in flight and a restart on the same port, and a
 short mixed load with every answer checked (tests/load_run.py).
 
-Faults are injected through ``Batcher.before_launch``, the in-process test hook the batcher
-calls on the device thread just before a launch (no request can set it). A hook that blocks on
+Faults are injected through ``DeviceHandle.before_launch``, the in-process fault-injection
+hook the device calls on its launch thread just before each launch of a batch (no request can
+set it). A hook that blocks on
 an event holds one launch open, which makes the order of events deterministic: calls submitted
 meanwhile wait in one group and launch together once it is released.
 """
@@ -99,7 +100,7 @@ def gated():
                           max_delay_us=0, max_batch_rows=64, max_queue=8)
     with ServerThread(config) as server:
         gate = Gate()
-        server.service.batcher.before_launch = gate
+        server.service.handle.before_launch = gate
         try:
             with grpc.insecure_channel(server.target) as channel:
                 yield server, gate, pb_grpc.LogitServeStub(channel)
@@ -199,9 +200,9 @@ def test_device_fault_during_a_batch_fails_its_calls_with_internal_then_service_
 
 
 def test_the_batcher_sees_how_many_calls_the_server_holds(gated):
-    """Guard.occupancy, which decides how a batch launches (server/batcher.py, server/device.py)."""
+    """The occupancy the guard counts, which decides how a batch launches (server/batcher.py)."""
     server, gate, stub = gated
-    occupancy = server.service.batcher.occupancy
+    occupancy = server.service.occupancy
 
     def calls_in_server():
         return occupancy.calls

@@ -51,9 +51,7 @@ def _direct(call: SampleCall) -> np.ndarray:
                           random_val=call.random_val, backend="triton").cpu().numpy()
 
 
-# Batches in an order that leaves earlier, larger batches' rows in a bucket's padding; the lone
-# calls of 1 and 2 rows after their bucket's capture are written straight into the graph's buffer
-# (DeviceHandle.replay_alone), over what the earlier batches left there.
+# Batches in an order that leaves earlier, larger batches' rows in a bucket's padding.
 SAMPLE_BATCHES = [[20, 20], [17, 16], [1], [3], [2, 3], [1], [1] * 9, [1, 1], [2], [40], [2], [1]]
 
 
@@ -68,8 +66,8 @@ def test_sample_batches_replayed_equal_eager_and_direct(handles, dtype, vocab, o
     replays = graphed.graphs.replays
     for i, sizes in enumerate(SAMPLE_BATCHES):
         calls = _sample_calls(sizes, vocab, dtype, seed=i, **options)
-        from_graph = asyncio.run(SampleCall.run_batch(calls, graphed, wait=wait))
-        from_eager = asyncio.run(SampleCall.run_batch(calls, eager))
+        from_graph = asyncio.run(graphed.run_batch(calls, wait))
+        from_eager = asyncio.run(eager.run_batch(calls))
         for call, g, e in zip(calls, from_graph, from_eager):
             assert g.token_ids == e.token_ids
             np.testing.assert_array_equal(g.token_ids, _direct(call))
@@ -77,29 +75,14 @@ def test_sample_batches_replayed_equal_eager_and_direct(handles, dtype, vocab, o
     assert graphed.graphs.replays - replays == len(SAMPLE_BATCHES)
 
 
-def test_a_lone_call_is_written_into_its_captured_graph(handles):
-    graphed, _ = handles
-    first, again = _sample_calls([1], 4096, torch.bfloat16, seed=4) + _sample_calls([1], 4096, torch.bfloat16, seed=5)
-    asyncio.run(SampleCall.run_batch([first], graphed, wait=Wait.SPIN))  # captures the graph (or finds it)
-    captures, replays = graphed.graphs.captures, graphed.graphs.replays
-    tokens, = asyncio.run(graphed.replay_alone(again.key, again.parts, Wait.SPIN))
-    assert (graphed.graphs.captures, graphed.graphs.replays) == (captures, replays + 1)
-    np.testing.assert_array_equal(tokens, _direct(again))
-    with pytest.raises(ValueError):  # parts that do not fill the graph's: refused before the replay
-        asyncio.run(graphed.replay_alone(again.key, (again.logits, *again.params[:1]), Wait.SPIN))
-    assert graphed.graphs.replays == replays + 1  # nothing was replayed
-    assert asyncio.run(graphed.replay_alone(again.key, _sample_calls([3], 4096, torch.bfloat16, 6)[0].parts,
-                                            Wait.SPIN)) is None  # 3 rows: no graph holds them as they are
-
-
 def test_route_experts_replayed_equal_direct(handles):
     graphed, _ = handles
     g = torch.Generator().manual_seed(7)
-    for sizes, wait in (([64, 64, 7], Wait.THREAD), ([5], Wait.POLL), ([64], Wait.SPIN), ([3], Wait.THREAD),
-                        ([64], Wait.POLL), ([64], Wait.THREAD)):  # the last two: written into the captured graph
+    for sizes, wait in (([64, 64, 7], Wait.THREAD), ([5], Wait.POLL), ([64], Wait.POLL), ([3], Wait.THREAD),
+                        ([64], Wait.POLL), ([64], Wait.THREAD)):
         calls = [RouteExpertsCall(HostTensor.of(torch.randn(rows, 256, generator=g).to(torch.bfloat16)), 8, True)
                  for rows in sizes]
-        results = asyncio.run(RouteExpertsCall.run_batch(calls, graphed, wait=wait))
+        results = asyncio.run(graphed.run_batch(calls, wait))
         for call, r in zip(calls, results):
             w, i = kernels.topk_softmax(call.gate_logits.torch().to(DEVICE), 8, renormalize=True, backend="triton")
             np.testing.assert_array_equal(r.weights, w.cpu().numpy())
@@ -109,12 +92,12 @@ def test_route_experts_replayed_equal_direct(handles):
 def test_graphs_are_reused_per_key_and_bucket(handles):
     graphed, _ = handles
     calls = _sample_calls([5], 4096, torch.float32, seed=1)
-    asyncio.run(SampleCall.run_batch(calls, graphed))
+    asyncio.run(graphed.run_batch(calls))
     captures = graphed.graphs.captures
     for sizes in ([6], [7, 1], [8]):  # bucket 8, as the first
-        asyncio.run(SampleCall.run_batch(_sample_calls(sizes, 4096, torch.float32, seed=2), graphed))
+        asyncio.run(graphed.run_batch(_sample_calls(sizes, 4096, torch.float32, seed=2)))
     assert graphed.graphs.captures == captures
-    asyncio.run(SampleCall.run_batch(_sample_calls([9], 4096, torch.float32, seed=3), graphed))  # bucket 16
+    asyncio.run(graphed.run_batch(_sample_calls([9], 4096, torch.float32, seed=3)))  # bucket 16
     assert graphed.graphs.captures == captures + 1
 
 
@@ -150,7 +133,7 @@ def test_a_replay_polled_on_the_event_loop_leaves_it_free(handles):
     """While a graph runs, other callbacks on the loop run too: the replay waits by polling."""
     graphed, _ = handles
     calls = _sample_calls([32], 128256, torch.bfloat16, seed=4)  # 8 MB to copy: many polls
-    asyncio.run(SampleCall.run_batch(calls, graphed))  # captured
+    asyncio.run(graphed.run_batch(calls))  # captured
 
     async def main():
         ticks = 0
@@ -163,26 +146,10 @@ def test_a_replay_polled_on_the_event_loop_leaves_it_free(handles):
 
         ticker = asyncio.ensure_future(tick())
         await asyncio.sleep(0)
-        results = await SampleCall.run_batch(calls, graphed, wait=Wait.POLL)
+        results = await graphed.run_batch(calls, Wait.POLL)
         ticker.cancel()
         return results, ticks
 
     results, ticks = asyncio.run(main())
     np.testing.assert_array_equal(results[0].token_ids, _direct(calls[0]))
     assert ticks >= 3
-
-
-def test_a_spun_replay_answers_without_yielding_to_the_event_loop(handles):
-    """A call that finds the server idle is answered in one step of its handler (Wait.SPIN)."""
-    graphed, _ = handles
-    calls = _sample_calls([1], 128256, torch.bfloat16, seed=5)
-    asyncio.run(SampleCall.run_batch(calls, graphed))  # captured
-
-    async def main():
-        launched = SampleCall.run_batch(calls, graphed, wait=Wait.SPIN)
-        with pytest.raises(StopIteration) as answered:
-            launched.send(None)
-        return answered.value.value
-
-    results = asyncio.run(main())
-    np.testing.assert_array_equal(results[0].token_ids, _direct(calls[0]))

@@ -11,7 +11,6 @@ import pytest
 from logitserve.server.batcher import Batcher
 from logitserve.server.device import Wait
 from logitserve.server.errors import DeadlineExpired, Draining, QueueFull
-from logitserve.server.guard import LONE_CLIENT_CROWD_S, LONE_CLIENT_IDLE_S, Occupancy
 
 
 class FakeCall:
@@ -20,15 +19,6 @@ class FakeCall:
     def __init__(self, value: int, key="k", rows: int = 1, fail: bool = False):
         self.value, self.key, self.rows, self.fail = value, key, rows, fail
 
-    @staticmethod
-    async def run_batch(calls, handle, wait=Wait.THREAD):
-        if handle.gate is not None:
-            await handle.gate.wait()
-        handle.batches.append([c.value for c in calls])
-        handle.waits.append(wait)
-        if any(c.fail for c in calls):
-            raise ValueError("bad call in this batch")
-        return [c.value * 10 for c in calls]
 
 
 class FakeHandle:
@@ -38,6 +28,15 @@ class FakeHandle:
         self.batches: list[list[int]] = []
         self.waits: list[Wait] = []  # run_batch's wait, per launch
         self.gate: asyncio.Event | None = None
+
+    async def run_batch(self, calls, wait=Wait.THREAD):
+        if self.gate is not None:
+            await self.gate.wait()
+        self.batches.append([c.value for c in calls])
+        self.waits.append(wait)
+        if any(c.fail for c in calls):
+            raise ValueError("bad call in this batch")
+        return [c.value * 10 for c in calls]
 
 
 def run(coro, timeout: float = 20.0):
@@ -66,38 +65,11 @@ def test_compatible_calls_share_one_launch():
     assert b.launches == 1 and b.batched_requests == 5 and b.queue_depth == 0
 
 
-def test_occupancy_counts_calls_and_times_idleness_and_crowding():
-    o = Occupancy()
-    o.enter()
-    assert o.calls == 1 and o.crowded_at == -float("inf")
-    o.leave()
-    time.sleep(0.02)
-    before = time.monotonic()
-    o.enter()
-    assert o.idle_before >= 0.02 and o.crowded_at == -float("inf") and o.serves_a_lone_client()
-    o.enter()  # a second call while the first is in
-    assert o.calls == 2 and o.crowded_at >= before and not o.serves_a_lone_client()
-    o.leave()
-    o.leave()
-    o.enter()
-    assert o.calls == 1 and o.idle_before < LONE_CLIENT_IDLE_S and not o.serves_a_lone_client()
-    o.crowded_at -= LONE_CLIENT_CROWD_S
-    assert not o.serves_a_lone_client()  # no overlap for long, but the call came straight after another
-    o.idle_before = LONE_CLIENT_IDLE_S
-    assert o.serves_a_lone_client()
-
-
-def occupancy(calls: int, idle_before: float = 0.0, crowded_ago: float = 1.0) -> Occupancy:
-    o = Occupancy()
-    o.calls, o.idle_before, o.crowded_at = calls, idle_before, time.monotonic() - crowded_ago
-    return o
-
-
 @pytest.mark.parametrize("in_server,wait", [(None, Wait.THREAD), (1, Wait.POLL), (3, Wait.POLL), (4, Wait.THREAD)])
 def test_a_batch_holding_every_call_in_the_server_is_polled(in_server, wait):
     async def main():
         handle = FakeHandle()
-        b = make(handle, occupancy=None if in_server is None else occupancy(in_server))
+        b = make(handle, calls_in_server=None if in_server is None else (lambda: in_server))
         await asyncio.gather(*(b.submit(FakeCall(i)) for i in range(3)))
         await b.close()
         return handle
@@ -106,39 +78,17 @@ def test_a_batch_holding_every_call_in_the_server_is_polled(in_server, wait):
     assert handle.batches == [[0, 1, 2]] and handle.waits == [wait]
 
 
-def test_a_call_that_finds_the_server_idle_launches_at_once_without_yielding():
-    async def main():
-        handle = FakeHandle()
-        b = make(handle, occupancy=occupancy(1, idle_before=LONE_CLIENT_IDLE_S), max_delay_s=0)
-        submitted = b.submit(FakeCall(7))
-        with pytest.raises(StopIteration) as answered:  # ran to its answer on the first step
-            submitted.send(None)
-        await b.close()
-        return handle, b, answered.value.value
-
-    handle, b, result = run(main())
-    assert result == 70
-    assert handle.batches == [[7]] and handle.waits == [Wait.SPIN]
-    assert b.launches == 1 and b.batched_requests == 1 and b.queue_depth == 0
-
-
-@pytest.mark.parametrize("calls,idle_before,crowded_ago,launching,max_delay_s", [
-    (1, LONE_CLIENT_IDLE_S / 2, 1.0, 0, 0),  # the server was not empty for long: load may be on the way
-    (1, 1.0, LONE_CLIENT_CROWD_S / 2, 0, 0),  # calls overlapped not long ago: load comes and goes
-    (2, 1.0, 1.0, 0, 0),  # another call is in the server
-    (1, 1.0, 1.0, 1, 0),  # a launch is under way (of calls whose RPC is this one: a Step's other ops)
-    (1, 1.0, 1.0, 0, 0.001),  # --max-delay-us asks calls to wait for company
-])
-def test_other_calls_go_through_the_queue(calls, idle_before, crowded_ago, launching, max_delay_s):
+@pytest.mark.parametrize("launching,max_delay_s", [(0, 0), (1, 0), (0, 0.001)])
+def test_every_call_goes_through_the_queue(launching, max_delay_s):
     async def main():
         handle = FakeHandle()
         handle.gate = asyncio.Event()
-        b = make(handle, occupancy=occupancy(calls, idle_before, crowded_ago), max_delay_s=max_delay_s)
+        b = make(handle, calls_in_server=lambda: 1, max_delay_s=max_delay_s)
         held = [asyncio.ensure_future(b.submit(FakeCall(i, key="held"))) for i in range(launching)]
         await asyncio.sleep(0.01)
         call = asyncio.ensure_future(b.submit(FakeCall(9)))
         await asyncio.sleep(0.01)
-        # Behind a launch made at once, the call waits in the queue, where later calls can join it.
+        # Behind a launch under way, the call waits in the queue, where later calls can join it.
         assert not call.done() and b.queue_depth == launching
         handle.gate.set()
         result = await call
@@ -147,13 +97,13 @@ def test_other_calls_go_through_the_queue(calls, idle_before, crowded_ago, launc
         return handle, result
 
     handle, result = run(main())
-    assert result == 90 and handle.waits[handle.batches.index([9])] is not Wait.SPIN
+    assert result == 90 and [9] in handle.batches
 
 
-def test_a_call_that_would_launch_at_once_past_its_deadline_fails_unlaunched():
+def test_a_call_past_its_deadline_fails_unlaunched():
     async def main():
         handle = FakeHandle()
-        b = make(handle, occupancy=occupancy(1, idle_before=1.0), max_delay_s=0)
+        b = make(handle, calls_in_server=lambda: 1, max_delay_s=0)
         with pytest.raises(DeadlineExpired):
             await b.submit(FakeCall(1), timeout=0.0)
         await b.close()
@@ -163,14 +113,14 @@ def test_a_call_that_would_launch_at_once_past_its_deadline_fails_unlaunched():
     assert handle.batches == [] and b.launches == 0
 
 
-def test_a_call_launched_at_once_that_fails_raises_and_is_reported():
+def test_a_lone_call_that_fails_raises_and_is_reported():
     seen = []
 
     async def on_failure(exc):
         seen.append(exc)
 
     async def main():
-        b = make(FakeHandle(), occupancy=occupancy(1, idle_before=1.0), on_failure=on_failure, max_delay_s=0)
+        b = make(FakeHandle(), calls_in_server=lambda: 1, on_failure=on_failure, max_delay_s=0)
         with pytest.raises(ValueError, match="bad call"):
             await b.submit(FakeCall(1, fail=True))
         await b.close()

@@ -237,4 +237,4 @@ def test_to_argv_parses_back_to_the_same_config():
     config = parse(["--device", "cpu", "--warmup-dtypes", "none", "--warmup-widths", "48,64", "--workers", "3",
                     "--cuda-graphs", "off",
                     "--tls-cert", "c.pem", "--tls-key", "k.pem", "--grace-period-s", "2.5"])
-    assert parse(cli.to_argv(config)) == config
+    assert parse(config.to_argv()) == config

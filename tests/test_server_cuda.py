@@ -14,7 +14,6 @@ import torch
 
 from helpers import seeded_logits
 from logitserve import kernels
-from logitserve.client import LogitServeError
 from logitserve.server import ServerConfig
 from logitserve.server.testing import ServerThread
 
@@ -54,53 +53,14 @@ def test_concurrent_samples_share_launches_and_match_alone(server, client):
     launches = batcher.launches
     # Each launch takes 20 ms more, as a busy device would: calls arriving meanwhile share the
     # next one. (Without it, the GPU finishes each call before the in-process clients send the next.)
-    batcher.before_launch = lambda calls: time.sleep(0.02)
+    server.service.handle.before_launch = lambda calls: time.sleep(0.02)
     try:
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             together = list(pool.map(lambda i: client.sample(logits[i:i + 1], **params[i]).token_ids[0], range(48)))
     finally:
-        batcher.before_launch = None
+        server.service.handle.before_launch = None
     assert together == alone
     assert batcher.launches - launches < 48
-
-
-def test_a_lone_call_replayed_while_validated_matches_the_kernels(server, client):
-    """A lone client's seeded one-row calls replay before they are validated
-    (Batcher.submit_prelaunched): their tokens are the kernels', and a call that validation
-    refuses is answered INVALID_ARGUMENT after its replay, the next call still right."""
-    handle = server.service.handle
-    replay_alone = handle.replay_alone
-    replayed_meanwhile = []
-
-    async def spied(key, parts, wait, meanwhile=None):
-        """replay_alone, noting whether validation ran while a replay was under way."""
-        ran = []
-
-        def noted():
-            ran.append(True)
-            meanwhile()
-        try:
-            return await replay_alone(key, parts, wait, None if meanwhile is None else noted)
-        finally:
-            replayed_meanwhile.append(bool(ran))
-    handle.replay_alone = spied
-    try:
-        logits = seeded_logits(1, 128256, torch.bfloat16, seed=7)
-        calls = [dict(temperature=0.9, top_k=0, top_p=0.95, seed=21 + i, step=i) for i in range(6)]
-        calls += [dict(temperature=1.1, top_k=40, top_p=0.9, min_p=0.02, seed=40, step=2)]
-        for params in calls:
-            time.sleep(0.06)  # past the lone-client rules' quiet time: each call finds the server idle
-            np.testing.assert_array_equal(client.sample(logits, **params).token_ids, _direct_sample(logits, **params))
-        assert sum(replayed_meanwhile) >= len(calls) - 1  # all but a first call, were its graph not captured
-        time.sleep(0.06)
-        with pytest.raises(LogitServeError) as refused:
-            client.sample(logits, temperature=0.9, top_p=1.5, seed=3)
-        assert refused.value.code.name == "INVALID_ARGUMENT" and "top_p" in refused.value.details
-        assert replayed_meanwhile[-1]  # refused after its replay, not before
-        time.sleep(0.06)
-        np.testing.assert_array_equal(client.sample(logits, **calls[0]).token_ids, _direct_sample(logits, **calls[0]))
-    finally:
-        handle.replay_alone = replay_alone
 
 
 def test_route_experts_softmax_and_activations(client):

@@ -1,0 +1,30 @@
+"""GetServerInfo's answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from logitserve.v1 import logitserve_pb2 as pb
+
+from ..tensors import FLOATS, PB_DTYPES
+
+
+@dataclass
+class ServerInfo:
+    """What GetServerInfo answers: the server's version, device, backend, dtypes, limits, counters."""
+
+    version: str
+    device: str
+    device_name: str
+    backend: str
+    warmed_dtypes: list[torch.dtype]
+    limits: dict[str, int]
+    stats: dict[str, int]
+
+    def to_pb(self) -> pb.GetServerInfoResponse:
+        return pb.GetServerInfoResponse(
+            version=self.version, device=self.device, device_name=self.device_name, backend=self.backend,
+            dtypes=[PB_DTYPES[d] for d in FLOATS], warmed_dtypes=[PB_DTYPES[d] for d in self.warmed_dtypes],
+            limits=pb.Limits(**self.limits), stats=pb.ServerStats(**self.stats))

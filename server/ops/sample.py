@@ -1,0 +1,216 @@
+"""Sample: ``kernels.sample`` on ``logits [B, V]`` with scalar or per-row parameters.
+
+The parameters' names, defaults, valid ranges and rules come from one table,
+``logitserve.kernels.sampling.params``: the checks and error messages here are derived from it.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import struct
+from dataclasses import dataclass, field
+from typing import Mapping, Union
+
+import torch
+
+from logitserve import kernels
+from logitserve.kernels.sampling.params import (FILTER_ORDERS, FLOAT_PARAMS, INT_PARAMS, RANDOM_VAL, SAMPLING_PARAMS,
+                                                SEED, SEED_BITS)
+from logitserve.v1 import logitserve_pb2 as pb
+
+from ..staging import Staging
+from ..tensors import FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, pack, rows_values, tensor_field
+from .batching import split_rows
+from .limits import Limits
+
+# The wire's filter orders by enum value, unset meaning the first (the kernels' default).
+WIRE_FILTER_ORDERS = {pb.FILTER_ORDER_UNSPECIFIED: FILTER_ORDERS[0],
+                      **{pb.FilterOrder.Value(f"FILTER_ORDER_{name.upper()}"): name for name in FILTER_ORDERS}}
+
+Param = Union[int, float, list]  # a scalar, or one value per row
+
+# The order from_pb checks the parameters in, which names the first broken one: seed, then the
+# table's order.
+_CHECKED = (SEED, *(p for p in SAMPLING_PARAMS.values() if p is not SEED))
+_FLOAT32 = struct.Struct("f")
+
+
+def _as_float32(value: float) -> float:
+    """``value`` rounded to float32, as the kernels read it (beyond float32's range: infinity)."""
+    try:
+        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _check_values(name: str, values: list, ok, rule: str, convert=lambda v: v) -> None:
+    for i, v in enumerate(values):
+        if not ok(convert(v)):
+            raise ValueError(f"{name}[{i}]: {rule}, got {v}")
+
+
+def _param(msg, param, rows: int, path: str) -> Param | None:
+    """A sampling parameter from its scalar field or its per-row tensor ``<name>_rows``; unset,
+    its default. A float must keep its rule in float32 too, the precision the kernels read it in
+    (a temperature of 1e300 is inf there, a top_p of 1e-300 is 0)."""
+    rule = f"must be {param.rule}"
+    floats = param.kind is float
+    in_float32 = f"{rule} in float32, the precision the kernels use"
+    if msg.HasField(param.rows_field):
+        name = path + param.rows_field
+        values = rows_values(getattr(msg, param.rows_field), name, rows,
+                             dtypes=(torch.float32, torch.float64) if floats else INTS)
+        _check_values(name, values, param.ok, rule)
+        if floats:
+            _check_values(name, values, param.ok, in_float32, _as_float32)
+        return values
+    if not msg.HasField(param.name):
+        return param.default
+    value = getattr(msg, param.name)
+    if not param.ok(value):
+        raise ValueError(f"{path}{param.name}: {rule}, got {value}")
+    if floats and not param.ok(_as_float32(value)):
+        raise ValueError(f"{path}{param.name}: {in_float32}, got {value}")
+    return value
+
+
+def _draw_seeds(rows: int) -> list[int]:
+    return [secrets.randbits(SEED_BITS) for _ in range(rows)]
+
+
+def _any_nonzero(value: Param) -> bool:
+    return any(v != 0 for v in value) if isinstance(value, list) else value != 0
+
+
+def _param_rows(columns: list[Param], rows: int, dtype: torch.dtype) -> HostTensor:
+    """``columns`` (each a scalar or one value per row) as a ``[rows, len(columns)]`` tensor."""
+    if list not in map(type, columns):
+        return HostTensor(pack(columns, dtype) * rows, dtype, (rows, len(columns)))
+    per_row = zip(*(c if type(c) is list else (c,) * rows for c in columns))
+    return HostTensor(pack([v for row in per_row for v in row], dtype), dtype, (rows, len(columns)))
+
+
+@dataclass(eq=False)
+class SampleCall:
+    """``kernels.sample`` on ``logits [B, V]`` with scalar or per-row parameters."""
+
+    logits: HostTensor
+    temperature: Param
+    top_k: Param
+    top_p: Param
+    min_p: Param
+    seed: Param  # the seeds the server drew, when the request set none
+    step: Param
+    filter_order: str
+    random_val: Param | None
+    # The parameters as the kernels read them, packed once: ``[rows, F]`` float32 (FLOAT_PARAMS,
+    # then random_val if given) and ``[rows, 3]`` int64 (INT_PARAMS). Staging a batch then copies
+    # one piece of each kind per call.
+    params: tuple[HostTensor, HostTensor] = field(init=False, repr=False)
+
+    op = "sample"
+
+    @classmethod
+    def from_pb(cls, msg: pb.SampleRequest, limits: Limits, path: str = "",
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE) -> "SampleCall":
+        logits = tensor_field(msg, "logits", path, in_place, dtypes=FLOATS, ranks=(2,))
+        rows, vocab = logits.shape
+        limits.check(f"{path}logits", rows, vocab)
+        if msg.filter_order not in WIRE_FILTER_ORDERS:
+            raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
+        values = {p.name: _param(msg, p, rows, path) for p in _CHECKED}
+        if values["seed"] is None:
+            values["seed"] = _draw_seeds(rows)
+        call = cls(logits=logits, filter_order=WIRE_FILTER_ORDERS[msg.filter_order], **values)
+        if call.random_val is not None and _any_nonzero(call.min_p):
+            raise ValueError(f"{path}min_p: must be 0 with random_val (InfiniCore's random_sample has no min-p)")
+        return call
+
+    @property
+    def rows(self) -> int:
+        return self.logits.shape[0]
+
+    @property
+    def key(self):
+        """The key of calls that may share a launch; the last item: whether the kernel draws its
+        own random values (no random_val)."""
+        return (self.op, self.logits.dtype, self.logits.shape[1], self.filter_order, self.random_val is None)
+
+    def seeds(self) -> list[int]:
+        return self.seed if isinstance(self.seed, list) else [self.seed] * self.rows
+
+    def __post_init__(self):
+        floats = [getattr(self, name) for name in FLOAT_PARAMS]
+        if self.random_val is not None:
+            floats.append(self.random_val)
+        self.params = (_param_rows(floats, self.rows, torch.float32),
+                       _param_rows([getattr(self, name) for name in INT_PARAMS], self.rows, torch.int64))
+
+    @property
+    def parts(self) -> tuple[HostTensor, HostTensor, HostTensor]:
+        """What the launch reads of this call, one piece per staged part: logits, float and int parameters."""
+        return (self.logits, *self.params)
+
+    @staticmethod
+    async def run_batch(calls: list["SampleCall"], handle) -> list["SampleResult"]:
+        rows = [c.rows for c in calls]
+        names = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + (RANDOM_VAL.name,)
+        names += INT_PARAMS
+        filter_order = calls[0].filter_order
+
+        def stage_for(batch_rows: int) -> Staging:
+            # Every parameter goes to the kernel as a per-row tensor, whatever the calls sent: then
+            # one compiled variant per (dtype, vocabulary, filter order) serves every batch, and
+            # warm-up covers them all. Scalars where a batch happens to agree would pick a variant
+            # per mix of scalar and per-row parameters, compiled mid-traffic (seconds per call).
+            # Each parameter is a column of a row-major [rows, F] part, so its pointer's 16-byte
+            # alignment (which Triton specialises on) is the same for every batch size. Padding
+            # rows get zeros: a top_p of 0 makes the kernel answer -1 there at once.
+            stage = Staging()
+            logits, floats, ints = zip(*(c.parts for c in calls))
+            stage.add(logits, rows=batch_rows)
+            stage.add(floats, rows=batch_rows, zero_padding=True)
+            stage.add(ints, rows=batch_rows, zero_padding=True)
+            return stage
+
+        def launch(logits, float_rows, int_rows):
+            params = dict(zip(names, (*float_rows.unbind(1), *int_rows.unbind(1))))
+            return (kernels.sample(logits, **params, filter_order=filter_order, backend=handle.backend),)
+
+        tokens, = await handle.launch(calls[0].key, sum(rows), stage_for, launch)
+        return [SampleResult(t.tolist(), c.seeds()) for t, c in zip(split_rows(tokens, rows), calls)]
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    seeds: list[int]
+
+    def to_pb(self) -> pb.SampleResponse:
+        # Built from Python ints with struct: torch calls on the event loop cost far more. The
+        # tensors' dtypes and shapes come parsed from a frame made once per row count: setting
+        # them field by field cost twice as much as the whole answer does this way.
+        rows = len(self.token_ids)
+        frame = _SAMPLE_FRAMES.get(rows)
+        if frame is None:
+            frame = _SAMPLE_FRAMES[rows] = _sample_frame(rows)
+        response = pb.SampleResponse.FromString(frame)
+        response.token_ids.data = pack(self.token_ids, torch.int64)
+        response.seeds.data = pack(self.seeds, torch.int64)
+        response.valid.data = pack([i >= 0 for i in self.token_ids], torch.bool)
+        return response
+
+
+def _sample_frame(rows: int) -> bytes:
+    """A SampleResponse of ``rows`` rows without their data: each tensor's dtype and shape."""
+    response = pb.SampleResponse()
+    for tensor, dtype in ((response.token_ids, torch.int64), (response.seeds, torch.int64),
+                          (response.valid, torch.bool)):
+        tensor.dtype = PB_DTYPES[dtype]
+        tensor.shape.append(rows)
+    return response.SerializeToString()
+
+
+# Response frames by row count (at most --max-rows of them).
+_SAMPLE_FRAMES: dict[int, bytes] = {}

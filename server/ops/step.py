@@ -1,0 +1,59 @@
+"""Step: several operators in one round trip, each a call of its own (they batch independently)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from logitserve.v1 import logitserve_pb2 as pb
+
+from ..tensors import NOT_IN_PLACE
+from .limits import Limits
+from .route_experts import RouteExpertsCall
+from .sample import SampleCall
+from .tensor_ops import CausalSoftmaxCall, SiluCall, SoftmaxCall
+
+STEP_OPS = {
+    "sample": SampleCall,
+    "route_experts": RouteExpertsCall,
+    "softmax": SoftmaxCall,
+    "causal_softmax": CausalSoftmaxCall,
+    "silu": SiluCall,
+}
+
+
+def _within(in_place: Mapping[str, memoryview], name: str) -> Mapping[str, memoryview]:
+    """The entries of ``in_place`` inside the sub-message ``name``, by their names there."""
+    prefix = name + "."
+    return {k[len(prefix):]: v for k, v in in_place.items() if k.startswith(prefix)}
+
+
+@dataclass
+class StepCall:
+    """The operators one StepRequest names, each a call of its own (they batch independently)."""
+
+    id: str
+    calls: dict[str, object]
+
+    @classmethod
+    def from_pb(cls, msg: pb.StepRequest, limits: Limits,
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE) -> "StepCall":
+        """``in_place``: tensor bytes read in place, by dotted name (``sample.logits``)."""
+        calls = {name: op.from_pb(getattr(msg, name), limits, path=f"{name}.", in_place=_within(in_place, name))
+                 for name, op in STEP_OPS.items() if msg.HasField(name)}
+        if not calls:
+            raise ValueError(f"step: sets none of {', '.join(STEP_OPS)}")
+        return cls(msg.id, calls)
+
+    @property
+    def rows(self) -> int:
+        return sum(c.rows for c in self.calls.values())
+
+
+@dataclass
+class StepResult:
+    id: str
+    results: dict[str, object]
+
+    def to_pb(self) -> pb.StepResponse:
+        return pb.StepResponse(id=self.id, **{name: r.to_pb() for name, r in self.results.items()})

@@ -1,0 +1,49 @@
+"""Warm-up: one small call per operator and dtype, through the same launch path as requests."""
+
+from __future__ import annotations
+
+import torch
+
+from ..tensors import HostTensor
+from .route_experts import ROUTE_DTYPES, RouteExpertsCall
+from .sample import SampleCall
+from .tensor_ops import CausalSoftmaxCall, SiluCall, SoftmaxCall
+
+# Batch sizes warm-up runs at: one of each class Triton specialises an integer on (== 1,
+# divisible by 16, neither).
+WARMUP_BATCH_ROWS = (1, 2, 16)
+
+
+def warmup_calls(dtype: torch.dtype, widths: tuple[int, ...]) -> list[tuple[str, object]]:
+    """``(label, call)`` pairs that compile every operator for ``dtype`` at row ``widths``.
+
+    Sampling compiles one variant per filter order and one for random_val (the server passes
+    every parameter per row, see SampleCall.run_batch). Every op runs at batch sizes 1, 2 and
+    16: Triton specialises integer arguments on being 1 and on divisibility by 16, so these
+    three cover every batch the batcher can form. Without them a new kernel variant compiled
+    mid-traffic (seconds per call).
+    """
+    gen = torch.Generator().manual_seed(0)
+    cases: list[tuple[str, object]] = []
+    for w in widths:
+        for b in WARMUP_BATCH_ROWS:
+            logits = HostTensor.of(torch.randn(b, w, generator=gen).to(dtype))
+            seeds = list(range(1, b + 1))
+            cases += [
+                (f"sample {b}x{w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, seeds, 0, "top_k_first", None)),
+                (f"sample joint {b}x{w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, seeds, 0, "joint", None)),
+                (f"sample random_val {b}x{w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, seeds, 0, "top_k_first", 0.5)),
+                (f"softmax {b}x{w}", SoftmaxCall(logits, 1)),
+            ]
+    x = HostTensor.of(torch.randn(2, 4, 8, generator=gen).to(dtype))
+    cases += [
+        ("causal_softmax", CausalSoftmaxCall(x)),
+        ("silu", SiluCall(x, None)),
+        ("swiglu", SiluCall(x, x)),
+    ]
+    if dtype in ROUTE_DTYPES:
+        for experts, k in ((8, 2), (64, 6), (128, 8), (256, 8)):
+            for b in WARMUP_BATCH_ROWS:
+                g = HostTensor.of(torch.randn(b, experts, generator=gen).to(dtype))
+                cases.append((f"route_experts {b}x{experts} k={k}", RouteExpertsCall(g, k, True)))
+    return cases
