@@ -8,7 +8,7 @@ For tests and benchmarks that need a real server process (signals, ports, exit c
         server.terminate()       # SIGTERM; waits and returns the exit code
 
 ``python -m logitserve.server.process [--launch-delay-ms N] -- <serve flags>`` runs ``logitserve
-serve`` with the batcher's in-process test hook (``Batcher.before_launch``) set to sleep N ms
+serve`` with the device handle's in-process fault-injection hook (``DeviceHandle.before_launch``) set to sleep N ms
 before every launch: a slow batch, to fill the queue or to have calls in flight at SIGTERM. The
 hook is an attribute set inside this process; nothing on the wire can set it.
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     def create_with_hook(config):
         service, port = create_server(config)
         if delay > 0:
-            service.batcher.before_launch = lambda calls: time.sleep(delay)
+            service.handle.before_launch = lambda calls: time.sleep(delay)
         return service, port
 
     app.create_server = create_with_hook  # cli.serve imports it from app when it runs
