@@ -11,7 +11,8 @@ from ._plan import FLOAT_DTYPES, TensorSpec, clear_plan_caches, plan_cache_size
 from .activation import SiluPlan, SwigluPlan, silu, swiglu
 from .causal_softmax import CausalSoftmaxPlan, causal_softmax
 from .copy import copy_by_kernel
-from .sample import SamplePlan, sample
+from .sampling.api import sample
+from .sampling.plan import SamplePlan
 from .softmax import SoftmaxPlan, softmax
 from .topk_softmax import TopkSoftmaxPlan, topk_softmax
 
