@@ -20,8 +20,8 @@ the row ROW_STATE_PASS1 (no top_k in reach; ``stats.py``):
   per chunk, merged by :func:`pass1_winner` in the row's draw program);
 - with top_p, the first check, the mass strictly above that winner, by a launch of its own
   between the gather and the draw (:func:`_check`, grid rows x groups of ``per_program``
-  chunks), which otherwise would be a pass of one program over the whole row (about 20 us for a
-  128K-token row on the H100). A chunk a program for a few rows (the latency case); for many, a
+  chunks), which otherwise would be a pass of one program over the whole row, the longest step
+  of a one-row call on a large vocabulary. A chunk a program for a few rows (the latency case); for many, a
   few chunks a program keep the grid near ``CHECK_PROGRAMS`` (``plan.py``), since in a batch
   with top_k most programs leave at once. The terms are ``_walk_pass``'s, summed in chunks of a
   width that depends on the vocabulary alone, so a row's sum does not change with its batch.

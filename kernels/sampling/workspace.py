@@ -26,7 +26,7 @@ from .._triton_internals import JITFunction
 CAP = tl.constexpr(256)
 
 # A row's state (the first int64 of its row ints), written by the merge.
-ROW_STATE_SAMPLE = tl.constexpr(0)  # drawn by the finish launch
+ROW_STATE_SAMPLE = tl.constexpr(0)  # drawn by the draw launch (draw.py)
 ROW_STATE_DONE = tl.constexpr(1)  # answered by the merge (greedy, or -1)
 ROW_STATE_PASS1 = tl.constexpr(2)  # as SAMPLE, and the gather launch also runs the first pass
 
