@@ -17,7 +17,7 @@ import types
 import triton
 import triton.language as tl
 
-from .._triton_internals import JITFunction
+from .._triton_internals import InterpretedFunction, JITFunction
 
 # Candidate slots per row. A top_k up to K_GATHER_MAX (or, without top_k, the K_GATHER_DEFAULT
 # largest logits; stats.py) sets the gather bound; on random logits the list then holds about
@@ -77,11 +77,12 @@ def ws_offsets(n_rows, n_chunks, NG: tl.constexpr, IS_F64: tl.constexpr):
     return o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i, o_parts
 
 
-def _on_host(jit_fn: JITFunction):
+def _on_host(jit_fn: JITFunction | InterpretedFunction):
     """A ``@triton.jit`` function of integer arithmetic as a Python function: the same code, with
-    the jit helpers and ``tl.constexpr`` values of its globals swapped for their Python ones."""
+    the jit helpers and ``tl.constexpr`` values of its globals swapped for their Python ones
+    (``InterpretedFunction`` where ``TRITON_INTERPRET=1`` made ``triton.jit`` return one)."""
     fn = jit_fn.fn
-    host_globals = {name: value.fn if isinstance(value, JITFunction) else
+    host_globals = {name: value.fn if isinstance(value, (JITFunction, InterpretedFunction)) else
                     value.value if isinstance(value, tl.constexpr) else value
                     for name, value in fn.__globals__.items()}
     return types.FunctionType(fn.__code__, host_globals, fn.__name__, fn.__defaults__, fn.__closure__)
