@@ -10,7 +10,9 @@ from ._backend import BACKENDS, resolve_backend
 from ._plan import FLOAT_DTYPES, TensorSpec, clear_plan_caches, plan_cache_size
 from .activation import SiluPlan, SwigluPlan, silu, swiglu
 from .causal_softmax import CausalSoftmaxPlan, causal_softmax
-from .sample import SamplePlan, sample
+from .copy import copy_by_kernel
+from .sampling.api import sample
+from .sampling.plan import SamplePlan
 from .softmax import SoftmaxPlan, softmax
 from .topk_softmax import TopkSoftmaxPlan, topk_softmax
 
@@ -26,6 +28,7 @@ __all__ = [
     "TopkSoftmaxPlan",
     "causal_softmax",
     "clear_plan_caches",
+    "copy_by_kernel",
     "plan_cache_size",
     "resolve_backend",
     "sample",

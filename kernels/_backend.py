@@ -12,9 +12,8 @@ import types
 
 import torch
 import triton.language as tl
-from triton.runtime.errors import InterpreterError
-from triton.runtime.interpreter import InterpretedFunction, _patch_lang
-from triton.runtime.jit import JITFunction
+
+from ._triton_internals import InterpretedFunction, InterpreterError, JITFunction, _patch_lang
 
 BACKENDS = ("auto", "triton", "interpret", "torch")
 

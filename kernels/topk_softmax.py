@@ -157,10 +157,9 @@ def _topk_softmax_kernel(
 def rows_per_program(n_rows: int, block_e: int) -> int:
     """Rows one program owns: a tile of at least 256 logits, fewer rows while that leaves under 256 programs.
 
-    Swept on an H100 (16384 tokens, 64 to 4096 experts, 1 to 32 rows, 1 to 8 warps): one row a
-    program from 256 experts up (18.5 us at 256 against 19.7 for two rows), 2 rows at 128 and
-    4 at 64 within 8% of the best tile. 256 programs is about two per SM (132 SMs), below which
-    splitting rows further shortens the critical path (64 tokens: one row a program).
+    From an H100 sweep over experts, rows and warps: one row a program from 256 experts up, 2
+    rows at 128 and 4 at 64 within 8% of the best tile. 256 programs is about two per SM (132
+    SMs), below which splitting rows further shortens the critical path.
     """
     rows = max(1, 256 // block_e)
     while rows > 1 and triton.cdiv(n_rows, rows) < 256:
@@ -172,8 +171,8 @@ def num_warps_for(rows: int, block_e: int) -> int:
     """Warps for a ``[rows, block_e]`` tile: one per 1024 logits.
 
     Selection is bound by instruction issue and by its per-round reductions, and a reduction
-    across warps goes through shared memory: one warp a row won the sweep up to 1024 experts
-    (58.6 us at 1024 against 62.4 for two), four warps at 4096 (266 us; 311 for two, 680 for one).
+    across warps goes through shared memory: one warp a row was fastest on the H100 up to 1024
+    experts, four warps at 4096.
     """
     return max(1, rows * block_e // 1024)
 
@@ -182,9 +181,8 @@ def use_sort(k: int) -> bool:
     """Bitonic top-k beyond 16; up to 16, ``k`` rounds of max-and-remove are cheaper.
 
     A round costs one tile-wide max and one compare per key, so rounds grow with ``k``; the
-    network costs about ``log2(k) * (log2(E) - log2(k) / 2)`` compare-and-swap passes. H100 sweep
-    at 16384x256 bfloat16: rounds 18.5 us vs bitonic 22.3 at k=8, 21.7 vs 24.9 at k=12, 23.7 vs
-    25.0 at k=16; with int64 keys, 106 vs 44 at k=32.
+    network costs about ``log2(k) * (log2(E) - log2(k) / 2)`` compare-and-swap passes. On the
+    H100 rounds were faster up to k = 16 and the network well beyond.
     """
     return k > 16
 

@@ -1,11 +1,11 @@
-"""The copy kernel of captured graphs (server/kernel_copy.py): every byte copied, whole words or
+"""The copy kernel of captured graphs (kernels/copy.py): every byte copied, whole words or
 not, across block boundaries, and sizes or layouts it cannot copy refused. Through Triton's
 interpreter here; tests/test_graphs.py checks the graphs that use it on CUDA."""
 
 import pytest
 import torch
 
-from logitserve.server.kernel_copy import BLOCK_WORDS, copy_by_kernel
+from logitserve.kernels.copy import BLOCK_WORDS, copy_by_kernel
 
 
 @pytest.mark.parametrize("nbytes", [1, 3, 4, 16, 4 * BLOCK_WORDS - 4, 4 * BLOCK_WORDS, 4 * BLOCK_WORDS + 12, 12345])

@@ -20,7 +20,7 @@ from logitserve.kernels import SamplePlan, TensorSpec, sample
 from logitserve.kernels.reference import sample as reference
 from test_sample_expected import kept_probabilities
 
-sample_module = importlib.import_module("logitserve.kernels.sample")
+sample_module = importlib.import_module("logitserve.kernels.sampling.plan")
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
                                         "ignore:overflow encountered:RuntimeWarning",
                                         "ignore:divide by zero encountered:RuntimeWarning")

@@ -16,7 +16,7 @@ from scipy.stats import chisquare, kstest, power_divergence
 
 from conftest import HAS_CUDA
 from logitserve.kernels import sample
-from logitserve.kernels._sampling_noise import noise as kernel_noise
+from logitserve.kernels.sampling.noise import noise as kernel_noise
 from logitserve.kernels.reference.sample import noise as torch_noise
 from test_sample_expected import kept_probabilities
 

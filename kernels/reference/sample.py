@@ -1,7 +1,7 @@
 """Reference for ``sample``: sort-based filters and the same counter-based noise, written plainly.
 
 Every parameter arrives as a ``[B]`` tensor (the plan broadcasts Python scalars). The noise is
-the torch twin of ``kernels/_sampling_noise.py`` (uint32 arithmetic held in int64 tensors), so
+the torch twin of ``kernels/sampling/noise.py`` (uint32 arithmetic held in int64 tensors), so
 this module and the Triton kernels draw the same token but for floating-point near-ties.
 """
 
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling.params import MIN_P, RANDOM_VAL, TEMPERATURE, TOP_K, TOP_P
+
 MASK32 = 0xFFFFFFFF
-SEED_MIX = 0x243F6A88  # same constants as kernels/_sampling_noise.py (tests compare the bits)
+SEED_MIX = 0x243F6A88  # same constants as kernels/sampling/noise.py (tests compare the bits)
 STEP_MIX = 0x85A308D3
 
 
@@ -61,19 +63,20 @@ def _gumbel(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _invalid_rows(x, temperature, top_k, top_p, min_p, random_val):
-    """A row returns -1 when its logits hold a NaN or no finite value, or a parameter breaks its rule."""
+    """A row returns -1 when its logits hold a NaN or no finite value, or a parameter breaks its
+    rule (``kernels/sampling/params.py``; with random_val, min_p must also be 0)."""
     bad = torch.isnan(x).any(1) | ~torch.isfinite(x).any(1)
-    bad |= ~((temperature >= 0) & torch.isfinite(temperature)) | (top_k < 0)
-    bad |= ~((top_p > 0) & (top_p <= 1)) | ~((min_p >= 0) & (min_p <= 1))
+    for param, value in ((TEMPERATURE, temperature), (TOP_K, top_k), (TOP_P, top_p), (MIN_P, min_p)):
+        bad |= ~param.ok(value)
     if random_val is not None:
-        bad |= ~((random_val >= 0) & (random_val < 1)) | (min_p != 0)
+        bad |= ~RANDOM_VAL.ok(random_val) | (min_p != 0)
     return bad
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, *, filter_order: str = "top_k_first",
            random_val: torch.Tensor | None = None, out_dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Token ids ``[B]`` for ``logits [B, V]``; see DESIGN.md for the semantics of each parameter."""
+    """Token ids ``[B]`` for ``logits [B, V]``; see docs/DESIGN.md for the semantics of each parameter."""
     n_rows, n_cols = logits.shape
     ct = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(ct)

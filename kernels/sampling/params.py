@@ -2,8 +2,8 @@
 each off, and the rule an error message states.
 
 Everything that checks or fills a sampling parameter reads this table: the kernels' argument
-checks (``sample``), the in-kernel check of per-row CUDA tensors (the same ranges, written as
-comparisons in ``chunks.row_params``), the torch reference, and the server's validation of the
+checks (``api.py``), the in-kernel check of per-row CUDA tensors (the same ranges, written as
+comparisons in ``stats._stats_merge``), the torch reference, and the server's validation of the
 wire fields (``<name>`` for every row, ``<name>_rows`` per row). A rule is a range with open or
 closed ends, tested with comparisons only, so NaN breaks every float rule.
 
@@ -68,8 +68,8 @@ def _num(v) -> str:
 
 
 # The order is the kernels' keyword order.
-TEMPERATURE = SamplingParam("temperature", float, default=1.0, off=1.0, low=0.0, high=math.inf, high_open=True,
-                            note="0 is greedy")
+# temperature 0 is greedy (arg-max); its rule needs no note.
+TEMPERATURE = SamplingParam("temperature", float, default=1.0, off=1.0, low=0.0, high=math.inf, high_open=True)
 TOP_K = SamplingParam("top_k", int, default=0, off=0, low=0, high=None,
                       note="0 turns it off; a value above vocab_size keeps every token")
 TOP_P = SamplingParam("top_p", float, default=1.0, off=1.0, low=0.0, high=1.0, low_open=True, note="1 turns it off")

@@ -1,12 +1,11 @@
-"""The first launch of ``sample``: per-chunk statistics, then the per-row merge.
+"""Candidate statistics: the first launch of ``sample``, per-chunk statistics then the per-row merge.
 
 A row of ``n_cols`` logits is cut into chunks of ``CH`` columns so that one row still spreads
 over many programs (a single row is the latency case). A chunk is loaded as a
 ``[CH / (8 NG), NG, 8]`` tile; ``tile[:, j, :]`` is group ``j``: runs of 8 adjacent tokens (one
 32-byte sector), repeating every ``8 NG`` tokens. A group is spread across its chunk (a cluster
 of large logits lands in several groups) yet costs only its own sectors to read back. (A 2-D
-tile reshaped into groups measured 35 us slower per 256x128256 pass on the H100: the reshape
-goes through shared memory.)
+tile reshaped into groups is slower: the reshape goes through shared memory.)
 
 ``_stats_merge`` (grid rows x chunks): each program reduces its chunk to its max, first arg-max,
 softmax partial ``sum(exp((x - max_c) / T))``, a NaN / finite flag and its group maxima. The
@@ -21,8 +20,9 @@ The merge also marks the rows whose candidate list may not decide the draw (no t
 group maxima at or above L do not already carry top_p of the mass, nor does min_p reject L):
 for those the gather launch computes the first pass of the draw in parallel (ROW_STATE_PASS1).
 
-The workspace is one byte buffer; ``workspace_layout`` is its map, computed the same way here
-and in the plan.
+The merge is also where per-row parameter tensors on CUDA are checked (a row that breaks a rule
+of ``params.py`` returns -1), and where greedy rows (``temperature == 0`` or ``top_k == 1``) are
+answered.
 """
 
 from __future__ import annotations
@@ -30,80 +30,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._backend import launchable
-from ._sampling_select import key_bits_to_i64, key_value, order_key, rel_weight, row_select_key, to_compute
+from .._backend import launchable
+from .top_k import key_bits_to_i64, key_value, order_key, row_select_key
+from .weights import rel_weight, to_compute
+from .workspace import CAP, ROW_STATE_DONE, ROW_STATE_PASS1, ROW_STATE_SAMPLE, ct_ptr_of, ws_offsets, ws_ptr_of
 
 INT32_MAX = tl.constexpr(2147483647)
-# Candidate slots per row. A top_k up to K_GATHER_MAX (or, without top_k, the K_GATHER_DEFAULT
-# largest logits) sets the gather bound; on random logits the list then holds about
-# k + k^2 / (2 * groups) tokens (k tokens in distinct groups, plus collisions): about 145 for
-# k = 128 and 512 groups, so 256 slots leave room for ties.
-CAP = tl.constexpr(256)
+# A top_k up to K_GATHER_MAX (or, without top_k, the K_GATHER_DEFAULT largest logits) sets the
+# gather bound (CAP in workspace.py: the list's slots); a larger top_k skips the gather.
 K_GATHER_MAX = tl.constexpr(128)
 K_GATHER_DEFAULT = tl.constexpr(128)
 # The bound needs only be a lower bound: 5 rounds of 4 bits settle sign, exponent and 11
 # mantissa bits of the k-th group max (0.05% of its value), in 5 of the 8 rounds.
 BOUND_ROUNDS = tl.constexpr(5)
-ROW_STATE_SAMPLE = tl.constexpr(0)  # drawn by the finish launch
-ROW_STATE_DONE = tl.constexpr(1)  # answered by the merge (greedy, or -1)
-ROW_STATE_PASS1 = tl.constexpr(2)  # as SAMPLE, and the gather launch also runs the first pass
-
-
-def workspace_layout(n_rows: int, n_chunks: int, n_groups: int, ct_size: int) -> int:
-    """Total bytes of the workspace (the same arithmetic as ``ws_offsets``)."""
-    def align(n):
-        return (n + 15) // 16 * 16
-    sizes = (4 * n_rows, 4 * n_rows, 16 * n_rows, 2 * ct_size * n_rows, 8 * n_rows * n_chunks,
-             2 * ct_size * n_rows * n_chunks, ct_size * n_rows * n_groups, ct_size * n_rows * CAP.value,
-             4 * n_rows * CAP.value, ct_size * n_rows * n_chunks, 16 * n_rows * n_chunks, ct_size * n_rows * n_chunks)
-    return sum(align(s) for s in sizes)
-
-
-@triton.jit
-def _align16(n):
-    return (n + 15) // 16 * 16
-
-
-@triton.jit
-def ws_offsets(n_rows, n_chunks, NG: tl.constexpr, IS_F64: tl.constexpr):
-    """Byte offsets of: candidate counts, row ints (state, bound), row floats
-    (max, sum), chunk flags (flag, first), chunk stats (max, sum), group maxima, candidate values,
-    candidate indices, first-pass scores, first-pass (index, key). The merge tickets sit at 0."""
-    CT: tl.constexpr = 8 if IS_F64 else 4
-    rows = tl.cast(n_rows, tl.int64)
-    o_count = _align16(4 * rows)
-    o_rowi = o_count + _align16(4 * rows)
-    o_rowf = o_rowi + _align16(16 * rows)
-    o_flags = o_rowf + _align16(2 * CT * rows)
-    o_stats = o_flags + _align16(8 * rows * n_chunks)
-    o_groups = o_stats + _align16(2 * CT * rows * n_chunks)
-    o_cx = o_groups + _align16(CT * rows * n_chunks * NG)
-    o_ci = o_cx + _align16(CT * rows * CAP)
-    o_p1s = o_ci + _align16(4 * rows * CAP)
-    o_p1i = o_p1s + _align16(CT * rows * n_chunks)
-    return o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i
-
-
-@triton.jit
-def ws_ptr_of(ws_ptr, byte_offset, dtype: tl.constexpr):
-    """A typed view into the byte workspace."""
-    return (ws_ptr + byte_offset).to(tl.pointer_type(dtype))
-
-
-@triton.jit
-def ct_ptr_of(ws_ptr, byte_offset, IS_F64: tl.constexpr):
-    """A view of compute-dtype values in the workspace."""
-    if IS_F64:
-        return (ws_ptr + byte_offset).to(tl.pointer_type(tl.float64))
-    else:
-        return (ws_ptr + byte_offset).to(tl.pointer_type(tl.float32))
-
-
-@triton.jit
-def check_parts_of(ws_ptr, o_p1i, row, n_rows, n_chunks, IS_F64: tl.constexpr):
-    """Row ``row``'s parts of the walk's first check (one mass per chunk, summed by the check
-    launch, ``_sampling_check.py``): in the workspace after the first-pass (index, key) pairs."""
-    return ct_ptr_of(ws_ptr, o_p1i + _align16(16 * tl.cast(n_rows, tl.int64) * n_chunks), IS_F64) + row * n_chunks
 
 
 @triton.jit
@@ -162,7 +101,7 @@ def _stats_merge(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_st
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     n_chunks = tl.cdiv(n_cols, CH)
-    o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i = ws_offsets(
+    o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i, o_parts = ws_offsets(
         n_rows, n_chunks, NG, IS_F64)
     stats = ct_ptr_of(ws_ptr, o_stats, IS_F64)
     flag_ptr = ws_ptr_of(ws_ptr, o_flags, tl.int32)
@@ -215,7 +154,9 @@ def _stats_merge(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_st
     else:
         greedy_token = flags * 0
     # Per-row tensor values are checked here, not on the host (that would cost a synchronisation):
-    # a row whose parameter breaks its rule returns -1.
+    # a row whose parameter breaks its rule returns -1. The rules are params.py's, as comparisons
+    # that NaN fails: temperature finite and >= 0, top_k >= 0, top_p in (0, 1], min_p in [0, 1];
+    # with random_val, random_val in [0, 1) and min_p 0.
     bad = (flags != 1) | ((t >= 0) & (t < float("inf")) == 0) | k_neg | ((p > 0) & (p <= 1) == 0)
     bad = bad | ((mp >= 0) & (mp <= 1) == 0)
     if RV_MODE:

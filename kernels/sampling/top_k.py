@@ -1,4 +1,4 @@
-"""Order keys and radix selection for ``sample``: the k-th largest value and mass thresholds.
+"""Top-k: order keys and radix selection (the k-th largest value; by mass, a cumulative threshold).
 
 A float maps to an unsigned integer key of its width that sorts like the float (the radix-sort
 trick: flip every bit of a negative, set the sign bit of a positive; -0.0 is first made +0.0 so
@@ -7,6 +7,10 @@ the top: the largest key ``K`` with ``count(key >= K) >= k`` is the k-th largest
 largest with ``mass(key >= K) >= target`` is where a descending cumulative mass reaches the
 target. Each round tests the 16 next digits at once, so 8 rounds settle a float32 key and 16 a
 float64 one, in registers (``*_in_block``) or by passes over a row (``row_select_key``).
+
+Where it is used: top_k's threshold ``t_k`` (the draw, ``top_p.py``), the merge's candidate
+bound ``L`` (the k-th largest group max, ``stats.py``), and ``random_val`` mode's threshold by
+mass (``random_val.py``).
 """
 
 from __future__ import annotations
@@ -14,14 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def to_compute(x, IS_F64: tl.constexpr):
-    """Kernels compute in float32, and in float64 for float64 input."""
-    if IS_F64:
-        return x.to(tl.float64)
-    else:
-        return x.to(tl.float32)
+from .weights import rel_weight, to_compute
 
 
 @triton.jit
@@ -62,19 +59,6 @@ def key_from_i64(v, IS_F64: tl.constexpr):
         return v.to(tl.uint64, bitcast=True)
     else:
         return v.to(tl.uint32)
-
-
-@triton.jit
-def log2_weight(x, m, scale):
-    """log2(p / max(p)) = (x - m) * scale with ``scale = log2(e) / T``; exactly 0 at the max
-    (also when the max is +inf, which makes the +inf entries share all the mass)."""
-    return tl.where(x == m, 0.0, (x - m) * scale).to(x.dtype)
-
-
-@triton.jit
-def rel_weight(x, m, scale):
-    """w = p / max(p) = exp2(log2_weight), exactly 1 at the max."""
-    return tl.exp2(log2_weight(x, m, scale))
 
 
 @triton.jit

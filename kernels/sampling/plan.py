@@ -1,59 +1,53 @@
-"""sample: temperature / top-k / top-p / min-p sampling and greedy decoding of ``logits [B, V]``.
+"""The launch plan of ``sample``: which launches a call takes, and why (``SamplePlan``).
 
-The Triton path is three launches: statistics and per-row merge over (rows x chunks of the
-vocabulary, ``_sampling_chunks.py``), candidate gather over the same grid
-(``_sampling_gather.py``), and the draw, a program per row (``_sampling_finish.py``); without a
-top_k in reach and with top_p, a fourth over the chunks before the draw sums its walk's first
-check (``_sampling_check.py``). Greedy is
-the first alone; ``random_val`` mode (``_sampling_random_val.py``) replaces the other two.
-Launches skip ``JITFunction.run`` once compiled (``_sampling_launch.py``). Two ideas:
+A plan is made once per logits layout and static options (which parameters are per-row tensors,
+``random_val`` mode, filter order, backend); it fixes the chunking (:func:`chunk_settings`),
+the per-row passes (:func:`finish_settings`) and the workspace size. Each call then picks its
+launches from the scalar parameters (a per-row tensor may hold anything, so it enables every
+launch its parameter could need):
 
-- The draw is the exponential race ``argmax_i p_i / E_i`` over the kept tokens, with ``E_i`` a
-  pure function of ``(seed, step, i)`` (``_sampling_noise.py``): no sort, no cumulative sum,
-  and a row draws the same token whatever its batch, its neighbours or the backend.
-- Every filter keeps the tokens at or above some value, so the kept set is decided by a few
-  thresholds. A bound ``L`` on the k-th largest logit gathers a short candidate list that holds
-  every token above it; with top-k (or a peaked distribution) the thresholds and the draw come
-  from that list. Otherwise the last kernel walks the row (see ``_sampling_finish.py``), its
-  first check summed over the row's chunks by a launch of its own (``_sampling_check.py``).
+1. ``_stats_merge`` (``stats.py``), always: chunk statistics and the per-row merge; greedy
+   (``temperature == 0`` or ``top_k == 1``) ends here.
+2. ``_random_val`` (``random_val.py``), in ``random_val`` mode, instead of the rest.
+3. ``_gather`` (``gather.py``), unless pure temperature sampling (no filter: the race runs over
+   the row) or a scalar ``top_k`` above ``GATHER_TOP_K_MAX`` (the list could not hold it). It
+   also runs the walk's first pass where no top_k is in reach (``WITH_PASS1``); with per-row
+   ``top_k`` the first pass takes a launch of its own.
+4. ``_check`` (``top_p.py``), without a top_k in reach and with top_p: the walk's first check.
+5. ``_finish`` (``draw.py``): the filters and the draw, a program per row.
 
-Per-row parameter tensors on the CPU are checked on the host (``ValueError``). On CUDA their
-values are checked inside the merge kernel instead, since reading them back would cost a device
-synchronisation: a row whose parameter breaks its rule returns -1 (the server checks values it
-reads off the wire before calling).
+The torch backend runs the reference (``reference/sample.py``) a few rows at a time instead.
 """
 
 from __future__ import annotations
 
-import math
-import secrets
-
 import torch
 import triton
 
-from ._backend import resolve_backend
-from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_same_device, plan_cache
-from ._sampling_check import _check
-from ._sampling_chunks import _stats_merge, workspace_layout
-from ._sampling_finish import _finish
-from ._sampling_gather import _gather
-from ._sampling_launch import FastLauncher
-from ._sampling_noise import split_u64
-from ._sampling_random_val import _random_val
-from .reference import sample as reference
+from .._backend import resolve_backend
+from .._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_same_device, plan_cache
+from ..reference import sample as reference
+from .draw import _finish
+from .gather import _gather
+from .launcher import FastLauncher
+from .noise import split_u64
+from .params import FILTER_ORDERS, SAMPLING_PARAMS
+from .random_val import _random_val
+from .stats import K_GATHER_MAX, _stats_merge
+from .top_p import _check
+from .workspace import workspace_size
 
-FILTER_ORDERS = ("top_k_first", "joint")
 OUT_DTYPES = (torch.int32, torch.int64)
 INT_DTYPES = (torch.int32, torch.int64)
-PARAM_DTYPES = {"temperature": FLOAT_DTYPES, "top_k": INT_DTYPES, "top_p": FLOAT_DTYPES, "min_p": FLOAT_DTYPES,
-                "seed": INT_DTYPES, "step": INT_DTYPES, "random_val": FLOAT_DTYPES}
+# The dtypes a per-row tensor of each parameter may have, by its kind in params.py.
+PARAM_DTYPES = {p.name: FLOAT_DTYPES if p.kind is float else INT_DTYPES for p in SAMPLING_PARAMS.values()}
 # The torch backend runs the reference over at most this many logits at a time (whole rows).
 REFERENCE_CHUNK_ELEMENTS = 1 << 17
-# A top_k above this skips the candidate gather (kernels/_sampling_chunks.py: K_GATHER_MAX).
-GATHER_TOP_K_MAX = 128
+# A top_k above this skips the candidate gather.
+GATHER_TOP_K_MAX = K_GATHER_MAX.value
 # Group maxima per row, at most: the merge selects among them by passes over a block of 256,
-# and 512 groups keep collisions among the top 128 logits to about 16 (k^2 / (2 * groups)).
-# Measured on the H100 (256x128256, T 0.8, k 50, p 0.9): 146 us of GPU time against 154 for 1024.
+# and 512 groups keep collisions among the top 128 logits to about 16 (k^2 / (2 * groups));
+# 512 ran faster than 1024 on the H100.
 MAX_GROUPS = 512
 # The gather launch's tile holds 32 values a thread at 4 warps and 128 registers (ptxas), which
 # caps it at 4 programs an SM; 8 warps halve the per-thread tile (80 registers).
@@ -72,7 +66,7 @@ def chunk_settings(n_cols: int) -> tuple[int, int, int]:
     (the latency case, one row) and a batch of 256 rows over 8192 (the throughput case), 16
     values a thread at 8 warps (ptxas: 64-71 registers, against 96-126 at 4 warps for the
     [32, 128] tile). The widths depend on V alone, so a row's floating-point sums do not change
-    with the batch (8192 and 2048 measured no better on the H100). Groups (runs of 8 tokens): as
+    with the batch (8192 and 2048 ran no faster on the H100). Groups (runs of 8 tokens): as
     many as keeps the row's total within MAX_GROUPS.
     """
     ch = min(4096, triton.next_power_of_2(max(n_cols, 16)))
@@ -85,8 +79,7 @@ def finish_settings(n_cols: int) -> tuple[int, int, int]:
     """``(BLOCK, SELECT_BLOCK, num_warps)`` of the per-row passes over a whole row.
 
     A walk pass keeps a running sum and best per lane (no reduction per block): 2048 lanes, 8 a
-    thread at 8 warps (the best of 1024/4, 2048/8 and 4096/8 warps measured on the H100 for a
-    256x128256 top-p walk). A selection round compares each value with 16 digits, a [block, 16]
+    thread at 8 warps (the fastest top-p walk of 1024/4, 2048/8 and 4096/8 warps on the H100). A selection round compares each value with 16 digits, a [block, 16]
     tile: 256 rows of it keep the tile at 16 values a thread.
     """
     return min(2048, triton.next_power_of_2(max(n_cols, 16))), 256, 8
@@ -138,11 +131,10 @@ class SamplePlan:
         self.chunk, self.groups, self.warps = chunk_settings(self.n_cols)
         self.n_chunks = triton.cdiv(self.n_cols, self.chunk)
         self.chunk_block = triton.next_power_of_2(self.n_chunks)  # a row's chunks as one block (CB)
-        self.n_groups = self.n_chunks * self.groups
         self.block, self.select_block, self.finish_warps = finish_settings(self.n_cols)
         self.workspace_size = 0
         if self.backend != "torch":
-            self.workspace_size = workspace_layout(self.n_rows, self.n_chunks, self.n_groups, 8 if self.is_f64 else 4)
+            self.workspace_size = workspace_size(self.n_rows, self.n_chunks, self.groups, self.is_f64)
             self.kernels = [FastLauncher(k, self.backend)
                             for k in (_stats_merge, _gather, _check, _finish, _random_val)]
             self.device_index = logits.device.index or 0
@@ -195,14 +187,13 @@ class SamplePlan:
                             STEP_TENSOR=per_row["step"], IS_F64=self.is_f64, CH=self.chunk, NG=self.groups)
         if per_row["top_k"] and gather:
             # Per-row top_k: mostly candidate rows. The first pass (marked rows only) gets its own
-            # launch: in one kernel its registers slowed the gather (H100, 256x128256 with per-row
-            # tensors: 206 us in one launch, 183 in two; 152 with scalars).
+            # launch: in one kernel its registers slowed the gather (on the H100).
             gather_kernel(grid2, gather_args, dict(gather_flags, GATHER=True, WITH_PASS1=False), GATHER_WARPS, dev)
             gather_kernel(grid2, gather_args, dict(gather_flags, GATHER=False, WITH_PASS1=True), GATHER_WARPS, dev)
         elif gather or k_off:
             gather_kernel(grid2, gather_args, dict(gather_flags, GATHER=gather, WITH_PASS1=k_off), GATHER_WARPS, dev)
         # Rows can have run the first pass (ROW_STATE_PASS1) only without a top_k in reach; with
-        # top_p, their walk's first check is summed by chunks (_sampling_check.py).
+        # top_p, their walk's first check is summed by chunks (top_p.py).
         checked = k_off and (per_row["top_p"] or top_p < 1)
         cb = self.chunk_block
         if checked:
@@ -222,19 +213,17 @@ class SamplePlan:
         """A zero-filled workspace and the row count its layout is computed for.
 
         On CUDA one buffer per (device, stream) serves every call (the kernels leave its counters
-        at zero; calls on one stream are ordered), which saves a fill launch per call (13 us of
-        host time measured on the H100 host). Its layout is computed for its row capacity, so the
+        at zero; calls on one stream are ordered), which saves a fill launch per call. Its layout is computed for its row capacity, so the
         merge tickets at its start never overlap another array whatever the batch. While a CUDA
         graph is captured, and on the CPU, each call gets its own.
         """
-        ct_size = 8 if self.is_f64 else 4
         if self.backend != "triton" or torch.cuda.is_current_stream_capturing():
-            size = workspace_layout(self.n_rows, self.n_chunks, self.n_groups, ct_size)
+            size = workspace_size(self.n_rows, self.n_chunks, self.groups, self.is_f64)
             return torch.zeros(size, dtype=torch.uint8, device=device), self.n_rows
         key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
         entry = _WORKSPACES.get(key)
         rows = max(self.n_rows, entry[1] if entry else 0)
-        size = workspace_layout(rows, self.n_chunks, self.n_groups, ct_size)
+        size = workspace_size(rows, self.n_chunks, self.groups, self.is_f64)
         if entry is None or rows > entry[1] or entry[0].numel() < size:
             size = max(size, entry[0].numel() if entry else 0)
             entry = _WORKSPACES[key] = (torch.zeros(size, dtype=torch.uint8, device=device), rows)
@@ -251,9 +240,9 @@ class SamplePlan:
         params = [full(temperature, torch.float32), full(top_k, torch.int64), full(top_p, torch.float32),
                   full(min_p, torch.float32), full(seed, torch.int64), full(step, torch.int64),
                   full(random_val, torch.float32) if self.random_val_mode else None]
-        # A few rows at a time: the reference keeps a dozen row-sized temporaries, and a batch of
-        # 27 rows of 128256 out of cache cost 25 % more a row than one row at a time (dev
-        # machine). Rows are independent, so the tokens are the same.
+        # A few rows at a time: the reference keeps a dozen row-sized temporaries, which out of
+        # cache cost more a row than a few rows at a time. Rows are independent, so the tokens
+        # are the same.
         step_rows = max(1, REFERENCE_CHUNK_ELEMENTS // self.n_cols)
         for start in range(0, self.n_rows, step_rows):
             rows = slice(start, start + step_rows)
@@ -286,118 +275,3 @@ def _as_int64(value: int) -> int:
 _cached_plan = plan_cache(SamplePlan)
 # (device index, stream) -> (zero-filled workspace, the row capacity its layout is computed for)
 _WORKSPACES: dict = {}
-
-_RULES = {
-    "temperature": ("finite and >= 0", lambda v: (v >= 0) & torch.isfinite(v) if torch.is_tensor(v)
-                    else math.isfinite(v) and v >= 0),
-    "top_k": (">= 0 (0 turns it off; a value above vocab_size keeps every token)", lambda v: v >= 0),
-    "top_p": ("in (0, 1] (1 turns it off)", lambda v: (v > 0) & (v <= 1)),
-    "min_p": ("in [0, 1] (0 turns it off)", lambda v: (v >= 0) & (v <= 1)),
-    "random_val": ("in [0, 1)", lambda v: (v >= 0) & (v < 1)),
-}
-
-
-def _check_param(name: str, value, n_rows: int, integer: bool) -> None:
-    """Type and value rules for one parameter: a Python scalar, or a [B] tensor (values checked on the CPU).
-
-    Float parameters are checked as the kernels read them, in float32: a temperature of 1e300
-    is infinite there, a top_p of 1e-300 is 0 and a random_val of 1 - 1e-12 is 1.
-    """
-    rule, ok = _RULES[name]
-    if isinstance(value, torch.Tensor):
-        if value.device.type == "cpu" and value.ndim == 1 and value.shape[0] == n_rows and value.dtype in \
-                PARAM_DTYPES[name]:
-            bad = (~ok(value if integer else value.to(torch.float32))).nonzero()
-            if bad.numel():
-                row = bad[0, 0].item()
-                raise ValueError(f"{name} must be {rule}, got {value[row].item()} in row {row}")
-        return
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        kind = "an int" if integer else "a float"
-        raise TypeError(f"{name} must be {kind} or a [batch_size] tensor, got {type(value).__name__}")
-    if not ok(value if integer else torch.tensor(value, dtype=torch.float32).item()):
-        raise ValueError(f"{name} must be {rule} in float32, got {value}")
-
-
-def _check_counter(name: str, value, low: int, high: int, text: str) -> None:
-    if isinstance(value, torch.Tensor):
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int or a [batch_size] int64 tensor, got {type(value).__name__}")
-    if not low <= value < high:
-        raise ValueError(f"{name} must be an integer in {text}, got {value}")
-
-
-def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0,
-           filter_order: str = "top_k_first", random_val=None, out_dtype: torch.dtype = torch.int64,
-           backend: str = "auto") -> torch.Tensor:
-    """Draw one token id per row of ``logits``.
-
-    Parameters
-    ----------
-    logits : torch.Tensor
-        ``(batch_size, vocab_size)``, float16 / bfloat16 / float32 / float64, any strides.
-    temperature, top_k, top_p, min_p : scalar or ``(batch_size,)`` tensor
-        ``temperature == 0`` or ``top_k == 1`` is greedy (arg-max, lowest index on ties).
-        Otherwise ``p = softmax(logits / temperature)`` is filtered: ``top_k`` keeps the k
-        largest (0: off; above vocab_size: every token), ``top_p`` the smallest most-probable
-        set reaching that mass (1: off), ``min_p`` drops ``p < min_p * max(p)`` (0: off). Ties
-        with a filter's boundary token are kept. The draw follows ``p`` over the kept tokens.
-    seed, step : int or ``(batch_size,)`` int64 tensor
-        The noise is a pure function of ``(seed, step, token index)`` (64-bit each), so a row
-        draws the same token in any batch and on any backend (but for floating-point near-ties).
-        ``seed=None`` draws one 63-bit seed per call from ``secrets``; to replay a call, pass
-        explicit seeds.
-    filter_order : ``"top_k_first"`` (HF transformers, vLLM: top-p over the renormalised top-k)
-        or ``"joint"`` (InfiniCore: in the top-k set and in the unfiltered top-p nucleus).
-    random_val : None, float or ``(batch_size,)`` tensor in [0, 1)
-        Reproduce InfiniCore's ``random_sample`` with these uniforms instead of the noise
-        (``min_p`` must be 0; ``filter_order`` does not apply). Exact but where the threshold
-        falls within float32 rounding of a cumulative boundary (random_val within ~1e-6 of 1 on a
-        large vocabulary, or a near-tie).
-    out_dtype : torch.int64 or torch.int32
-
-    Returns
-    -------
-    torch.Tensor
-        ``(batch_size,)`` token ids; -1 for a row with a NaN, with no finite logit, or (per-row
-        CUDA tensors) with a parameter that breaks its rule.
-
-    Examples
-    --------
-    >>> logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 5.0, -1.0]])
-    >>> sample(logits, temperature=0.0).tolist()
-    [1, 0]
-    >>> sample(logits, top_k=1, seed=3).tolist()
-    [1, 0]
-    """
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.ndim != 2:
-        raise ValueError(f"logits: must be 2-D (batch_size, vocab_size), got shape {list(logits.shape)}")
-    n_rows = logits.shape[0]
-    if seed is None:
-        seed = secrets.randbits(63)
-    for name, value, integer in (("temperature", temperature, False), ("top_k", top_k, True),
-                                 ("top_p", top_p, False), ("min_p", min_p, False)):
-        _check_param(name, value, n_rows, integer)
-    _check_counter("seed", seed, -(1 << 63), 1 << 64, "[-2**63, 2**64)")
-    _check_counter("step", step, 0, 1 << 63, "[0, 2**63)")
-    if random_val is not None:
-        _check_param("random_val", random_val, n_rows, False)
-        if not isinstance(min_p, torch.Tensor) and min_p != 0:
-            raise ValueError(f"min_p must be 0 when random_val is given, got {min_p}")
-        if isinstance(min_p, torch.Tensor) and min_p.device.type == "cpu" and bool((min_p != 0).any()):
-            raise ValueError("min_p must be 0 when random_val is given, got a nonzero per-row value")
-
-    def spec(value):
-        return TensorSpec.of(value) if isinstance(value, torch.Tensor) else None
-
-    plan = _cached_plan(TensorSpec.of(logits), temperature=spec(temperature), top_k=spec(top_k), top_p=spec(top_p),
-                        min_p=spec(min_p), seed=spec(seed), step=spec(step), random_val=spec(random_val),
-                        random_val_mode=random_val is not None, filter_order=filter_order, out_dtype=out_dtype,
-                        backend=backend)
-    out = torch.empty(n_rows, dtype=out_dtype, device=logits.device)
-    return plan(logits, out, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step,
-                random_val=random_val)

@@ -1,16 +1,14 @@
-"""The second launch of ``sample``: the candidate gather, and the first pass where it is needed.
+"""Candidates: the second launch of ``sample``, the gather, and the first pass where it is needed.
 
-Grid rows x chunks, the chunk tiles of ``_sampling_chunks``. Each program appends its chunk's
+Grid rows x chunks, the chunk tiles of ``stats.py``. Each program appends its chunk's
 tokens at or above the row's bound ``L`` to the row's list of ``CAP`` candidate slots, a slot
 per token from an atomic counter (slot order does not matter: everything after reads the list
 as a set). Only the groups whose max reaches L are read again (a group's runs of 8 are whole
 sectors), so a top-k row re-reads a few kilobytes, not its chunk.
 
 For rows the merge marked ROW_STATE_PASS1 (the list may not decide them) each program also
-runs the first pass of the draw over its whole chunk: the race ``log2(w) + gumbel`` among the
-tokens min_p keeps, leaving the chunk's winner (score, index, key) for the finish launch. The
-per-token scores are those of ``_sampling_finish._walk_pass``, so the draw does not depend on
-which path ran.
+runs the first pass of the draw over its whole chunk (``top_p.first_pass_chunk``), leaving the
+chunk's winner for the draw launch.
 """
 
 from __future__ import annotations
@@ -18,11 +16,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._backend import launchable
-from ._sampling_chunks import (CAP, INT32_MAX, ROW_STATE_DONE, ROW_STATE_PASS1, chunk_tile, ct_ptr_of, row_param,
-                               tile_max, tile_min, ws_offsets, ws_ptr_of)
-from ._sampling_noise import gumbel, row_keys, u64_halves, uniform_bits
-from ._sampling_select import key_bits_to_i64, key_from_i64, log2_weight, order_key, to_compute
+from .._backend import launchable
+from .noise import row_keys, u64_halves
+from .stats import chunk_tile, row_param
+from .top_k import key_from_i64, order_key
+from .top_p import first_pass_chunk
+from .weights import to_compute
+from .workspace import CAP, ROW_STATE_DONE, ROW_STATE_PASS1, ct_ptr_of, ws_offsets, ws_ptr_of
 
 
 @launchable
@@ -36,7 +36,7 @@ def _gather(ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, mp_arg, 
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     n_chunks = tl.cdiv(n_cols, CH)
-    o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i = ws_offsets(
+    o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i, o_parts = ws_offsets(
         n_rows, n_chunks, NG, IS_F64)
     rowi = ws_ptr_of(ws_ptr, o_rowi, tl.int64)
     state = tl.load(rowi + 2 * row)
@@ -80,13 +80,5 @@ def _gather(ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_stride, mp_arg, 
                 s_lo, s_hi = u64_halves(seed_arg, seed_hi, row, seed_stride, SEED_TENSOR)
                 c_lo, c_hi = u64_halves(step_arg, step_hi, row, step_stride, STEP_TENSOR)
                 k0, k1 = row_keys(s_lo, s_hi, c_lo, c_hi)
-                d = log2_weight(x, m, 1.4426950408889634 / t)
-                g = gumbel(uniform_bits(col, k0, k1)).to(m.dtype)
-                score = tl.where(mask & (tl.exp2(d) >= min_p), d + g, float("-inf"))
-                top = tile_max(score)
-                winner = tile_min(tl.where(score == top, col, INT32_MAX))
-                winner_key = tile_max(tl.where(col == winner, key, key * 0))
-                slot = row * n_chunks + chunk
-                tl.store(ct_ptr_of(ws_ptr, o_p1s, IS_F64) + slot, top)
-                tl.store(ws_ptr_of(ws_ptr, o_p1i, tl.int64) + 2 * slot, winner.to(tl.int64))
-                tl.store(ws_ptr_of(ws_ptr, o_p1i, tl.int64) + 2 * slot + 1, key_bits_to_i64(winner_key, IS_F64))
+                first_pass_chunk(ws_ptr, x, key, col, mask, row * n_chunks + chunk, m, 1.4426950408889634 / t, min_p,
+                                 k0, k1, o_p1s, o_p1i, IS_F64)

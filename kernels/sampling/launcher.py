@@ -1,28 +1,26 @@
 """Relaunching a compiled Triton kernel without ``JITFunction.run``'s per-call work.
 
-Measured on the H100 host with triton 3.6 (bench/ops/sample.py's session notes): a launch
-through ``kernel[grid](...)`` costs 18 us of host time for 4 arguments, 31 us for 24, and about
-75 us for the sampling kernels' ~20 arguments and ~15 constexprs, so ``sample`` spent more time
-launching than the GPU spent running a one-row batch. ``JITFunction.run`` binds and specialises
-every argument, hashes the key and checks globals on each call; the compiled kernel's own
-launcher needs none of that once the kernel exists.
+``JITFunction.run`` binds and specialises every argument, hashes the key and checks globals on
+each call; for the sampling kernels' ~20 arguments and ~15 constexprs that cost more host time
+than the GPU spends on a one-row batch (H100, triton 3.6). The compiled kernel's own launcher
+needs none of that once the kernel exists.
 
 :class:`FastLauncher` belongs to one plan, whose layout fixes what Triton specialises on
 besides the call's values: tensor dtypes, the logits' strides and width (integers equal to 1 or
 divisible by 16). Of the per-call values the kernels leave only tensor alignment specialised
 (every other integer is ``do_not_specialize`` and within int32 by construction; floats are
 fp32). So it keys the compiled kernel by (constexprs, ``num_warps``, each tensor's 16-byte
-alignment); a miss costs one ordinary launch. It then calls ``CompiledKernel.run`` directly,
-with the launch metadata and hooks exactly as ``JITFunction.run`` passes them last (so
-profilers still see the launch). The interpreter takes the ordinary path.
+alignment); a miss costs one ordinary launch. It then relaunches the compiled kernel directly
+(``_triton_internals.relaunch``). The interpreter, and a Triton without the internals that
+relaunch needs, take the ordinary path.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 
-from ._backend import Launchable
+from .._backend import Launchable
+from .._triton_internals import can_relaunch, compiled_of, relaunch
 
 
 def _alignment(args) -> tuple:
@@ -49,13 +47,10 @@ class FastLauncher:
         key = (num_warps, *constexprs.values(), *_alignment(args))
         kernel = self._compiled.get(key)
         if kernel is None:
-            kernel = self._launch[grid](*args, **constexprs, num_warps=num_warps)
-            self._compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
+            kernel = compiled_of(self._launch[grid](*args, **constexprs, num_warps=num_warps))
+            if can_relaunch(kernel):
+                self._compiled[key] = kernel
             return
         bound = (*args, *(constexprs[name] for name in self._names[len(args):]))
         g = tuple(grid) + (1,) * (3 - len(grid))
-        stream = torch._C._cuda_getCurrentRawStream(device_index)  # what triton's driver asks too
-        knobs = triton.knobs.runtime
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(g, stream, *bound), knobs.launch_enter_hook, knobs.launch_exit_hook,
-                   *bound)
+        relaunch(kernel, g, torch._C._cuda_getCurrentRawStream(device_index), bound)  # the stream triton's driver asks for

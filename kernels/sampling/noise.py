@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import launchable
+from .._backend import launchable
 
 # Absorbed before the seed and the step so that a zero seed or step still mixes (fmix32(0) == 0).
 # The first two 32-bit words of the fractional part of pi (as in Blowfish's P-array).

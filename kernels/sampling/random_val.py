@@ -3,7 +3,7 @@
 In descending order (ties: lower index first) the cumulative softmax ``c`` reaches
 ``threshold = random_val * min(top_p, c[k - 1])`` first inside the tie group of ``v*``, the
 largest value whose mass at or above it reaches the threshold. Radix selection by mass finds
-``v*`` (``_sampling_select``); within its tie group every token adds the same ``w(v*)``, so the
+``v*`` (``top_k.py``); within its tie group every token adds the same ``w(v*)``, so the
 answer is the group's ``ceil((threshold - mass above v*) / w(v*))``-th token by index. One
 program per row, a pass over the row per radix round: this mode need not be fast.
 """
@@ -13,9 +13,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._backend import launchable
-from ._sampling_chunks import INT32_MAX, ROW_STATE_DONE, ct_ptr_of, row_param, row_params, ws_offsets, ws_ptr_of
-from ._sampling_select import key_value, order_key, rel_weight, row_select_key, to_compute
+from .._backend import launchable
+from .stats import INT32_MAX, row_param, row_params
+from .top_k import key_value, order_key, row_select_key
+from .weights import rel_weight, to_compute
+from .workspace import ROW_STATE_DONE, ct_ptr_of, ws_offsets, ws_ptr_of
 
 
 @triton.jit
@@ -65,7 +67,7 @@ def _random_val(out_ptr, ws_ptr, x_ptr, x_row_stride, x_col_stride, t_arg, t_str
                 RV_TENSOR: tl.constexpr, IS_F64: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr,
                 BLOCK: tl.constexpr, SELECT_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i = ws_offsets(
+    o_count, o_rowi, o_rowf, o_flags, o_stats, o_groups, o_cx, o_ci, o_p1s, o_p1i, o_parts = ws_offsets(
         n_rows, tl.cdiv(n_cols, CH), NG, IS_F64)
     if tl.load(ws_ptr_of(ws_ptr, o_rowi, tl.int64) + 2 * row) == ROW_STATE_DONE:
         return

@@ -1,0 +1,137 @@
+"""``sample``, the public function: its arguments checked against ``params.py``, then a cached plan.
+
+Python scalars and per-row tensors on the CPU are checked here, before any launch
+(``TypeError`` / ``ValueError`` naming the parameter and its rule). Per-row tensors on CUDA are
+checked inside the merge kernel instead (``stats.py``), since reading them back would cost a
+device synchronisation: a row whose parameter breaks its rule returns -1.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from .._plan import TensorSpec
+from .params import (MIN_P, RANDOM_VAL, SEED, SEED_BITS, SEED_RANGE, STEP, STEP_RANGE, TEMPERATURE, TOP_K, TOP_P,
+                     SamplingParam)
+from .plan import PARAM_DTYPES, SamplePlan, _cached_plan
+
+__all__ = ["SamplePlan", "sample"]
+
+
+def _rule(param: SamplingParam) -> str:
+    """The rule as the messages state it: the range, then what its edges mean."""
+    return f"{param.rule} ({param.note})" if param.note else param.rule
+
+
+def _check_param(param: SamplingParam, value, n_rows: int) -> None:
+    """Type and value rules for one parameter: a Python scalar, or a [B] tensor (values checked on the CPU).
+
+    Float parameters are checked as the kernels read them, in float32: a temperature of 1e300
+    is infinite there, a top_p of 1e-300 is 0 and a random_val of 1 - 1e-12 is 1.
+    """
+    name, integer, rule = param.name, param.kind is int, _rule(param)
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.ndim == 1 and value.shape[0] == n_rows and value.dtype in \
+                PARAM_DTYPES[name]:
+            bad = (~param.ok(value if integer else value.to(torch.float32))).nonzero()
+            if bad.numel():
+                row = bad[0, 0].item()
+                raise ValueError(f"{name} must be {rule}, got {value[row].item()} in row {row}")
+        return
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an int" if integer else "a float"
+        raise TypeError(f"{name} must be {kind} or a [batch_size] tensor, got {type(value).__name__}")
+    if not param.ok(value if integer else torch.tensor(value, dtype=torch.float32).item()):
+        raise ValueError(f"{name} must be {rule} in float32, got {value}")
+
+
+def _power_of_two_text(v: int) -> str:
+    return "0" if v == 0 else f"{'-' if v < 0 else ''}2**{abs(v).bit_length() - 1}"
+
+
+def _check_counter(name: str, value, valid: tuple[int, int]) -> None:
+    """A seed or step: an int in ``valid`` (``[low, high)``), or a per-row tensor."""
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or a [batch_size] int64 tensor, got {type(value).__name__}")
+    low, high = valid
+    if not low <= value < high:
+        raise ValueError(f"{name} must be an integer in [{_power_of_two_text(low)}, {_power_of_two_text(high)}), "
+                         f"got {value}")
+
+
+def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0,
+           filter_order: str = "top_k_first", random_val=None, out_dtype: torch.dtype = torch.int64,
+           backend: str = "auto") -> torch.Tensor:
+    """Draw one token id per row of ``logits``.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``(batch_size, vocab_size)``, float16 / bfloat16 / float32 / float64, any strides.
+    temperature, top_k, top_p, min_p : scalar or ``(batch_size,)`` tensor
+        ``temperature == 0`` or ``top_k == 1`` is greedy (arg-max, lowest index on ties).
+        Otherwise ``p = softmax(logits / temperature)`` is filtered: ``top_k`` keeps the k
+        largest (0: off; above vocab_size: every token), ``top_p`` the smallest most-probable
+        set reaching that mass (1: off), ``min_p`` drops ``p < min_p * max(p)`` (0: off). Ties
+        with a filter's boundary token are kept. The draw follows ``p`` over the kept tokens.
+    seed, step : int or ``(batch_size,)`` int64 tensor
+        The noise is a pure function of ``(seed, step, token index)`` (64-bit each), so a row
+        draws the same token in any batch and on any backend (but for floating-point near-ties).
+        ``seed=None`` draws one 63-bit seed per call from ``secrets``; to replay a call, pass
+        explicit seeds.
+    filter_order : ``"top_k_first"`` (HF transformers, vLLM: top-p over the renormalised top-k)
+        or ``"joint"`` (InfiniCore: in the top-k set and in the unfiltered top-p nucleus).
+    random_val : None, float or ``(batch_size,)`` tensor in [0, 1)
+        Reproduce InfiniCore's ``random_sample`` with these uniforms instead of the noise
+        (``min_p`` must be 0; ``filter_order`` does not apply). Exact but where the threshold
+        falls within float32 rounding of a cumulative boundary (random_val within ~1e-6 of 1 on a
+        large vocabulary, or a near-tie).
+    out_dtype : torch.int64 or torch.int32
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch_size,)`` token ids; -1 for a row with a NaN, with no finite logit, or (per-row
+        CUDA tensors) with a parameter that breaks its rule.
+
+    Examples
+    --------
+    >>> logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 5.0, -1.0]])
+    >>> sample(logits, temperature=0.0).tolist()
+    [1, 0]
+    >>> sample(logits, top_k=1, seed=3).tolist()
+    [1, 0]
+    """
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.ndim != 2:
+        raise ValueError(f"logits: must be 2-D (batch_size, vocab_size), got shape {list(logits.shape)}")
+    n_rows = logits.shape[0]
+    if seed is None:
+        seed = secrets.randbits(SEED_BITS)
+    for param, value in ((TEMPERATURE, temperature), (TOP_K, top_k), (TOP_P, top_p), (MIN_P, min_p)):
+        _check_param(param, value, n_rows)
+    _check_counter(SEED.name, seed, SEED_RANGE)
+    _check_counter(STEP.name, step, STEP_RANGE)
+    if random_val is not None:
+        _check_param(RANDOM_VAL, random_val, n_rows)
+        if not isinstance(min_p, torch.Tensor) and min_p != 0:
+            raise ValueError(f"min_p must be 0 when random_val is given, got {min_p}")
+        if isinstance(min_p, torch.Tensor) and min_p.device.type == "cpu" and bool((min_p != 0).any()):
+            raise ValueError("min_p must be 0 when random_val is given, got a nonzero per-row value")
+
+    def spec(value):
+        return TensorSpec.of(value) if isinstance(value, torch.Tensor) else None
+
+    plan = _cached_plan(TensorSpec.of(logits), temperature=spec(temperature), top_k=spec(top_k), top_p=spec(top_p),
+                        min_p=spec(min_p), seed=spec(seed), step=spec(step), random_val=spec(random_val),
+                        random_val_mode=random_val is not None, filter_order=filter_order, out_dtype=out_dtype,
+                        backend=backend)
+    out = torch.empty(n_rows, dtype=out_dtype, device=logits.device)
+    return plan(logits, out, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step,
+                random_val=random_val)
