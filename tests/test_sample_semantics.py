@@ -3,7 +3,7 @@
 Draws are checked for membership in the kept set of ``test_sample_expected.kept_probabilities``
 (an independent float64 statement of the semantics); distributions are the statistics file's.
 Where a case is there to exercise one path of the Triton kernels, the comment says why the
-dispatcher must take it (see kernels/_sampling_finish.py).
+dispatcher must take it (see the package docstring of kernels/sampling/ and kernels/sampling/plan.py).
 """
 
 from __future__ import annotations
