@@ -42,64 +42,87 @@ def is_torch(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def encode(x, name: str = "tensor") -> pb.Tensor:
-    """A Tensor message holding ``x`` (numpy array, array-like, or torch tensor)."""
+def wire_dtype(x) -> int | None:
+    """The wire dtype of a numpy array or torch tensor's elements, or None when it has none."""
     if is_torch(x):
-        return _encode_torch(x, name)
+        return _BY_NAME.get(str(x.dtype).removeprefix("torch."))
+    dt = x.dtype
+    return _BY_NAME.get("bfloat16" if dt.name == "bfloat16" and dt.itemsize == 2 else dt.name)
+
+
+def tensor_parts(x, name: str = "tensor") -> tuple[int, tuple[int, ...], memoryview]:
+    """``(dtype, shape, elements)`` of ``x`` (numpy array, array-like, or torch tensor), the
+    elements a flat byte view in the wire's layout (little-endian, C order).
+
+    The view is over ``x``'s own memory where that already is the wire's layout (a contiguous
+    little-endian CPU array or tensor): nothing is copied. Otherwise ``x`` is converted once
+    (strided, big-endian, another device, an integer list) and the view is over the result.
+    """
+    if is_torch(x):
+        return _torch_parts(x, name)
     arr = np.asarray(x)
-    kind = "bfloat16" if arr.dtype.name == "bfloat16" and arr.dtype.itemsize == 2 else arr.dtype.name
-    dtype = _BY_NAME.get(kind)
+    dtype = wire_dtype(arr)
     if dtype is None:
         raise TypeError(f"{name}: dtype {arr.dtype} has no wire dtype; use one of {', '.join(_BY_NAME)}")
     if dtype == pb.DTYPE_BFLOAT16:  # ml_dtypes.bfloat16 arrays: raw 16-bit patterns
-        data = np.ascontiguousarray(arr).view("<u2").tobytes()
+        flat = np.ascontiguousarray(arr).reshape(-1).view("<u2")
     else:
-        data = np.ascontiguousarray(arr, dtype=NUMPY_DTYPES[dtype]).tobytes()
-    return pb.Tensor(dtype=dtype, shape=arr.shape, data=data)
+        flat = np.ascontiguousarray(arr, dtype=NUMPY_DTYPES[dtype]).reshape(-1)
+    return dtype, arr.shape, memoryview(flat.view(np.uint8))
 
 
-def _encode_torch(t, name: str) -> pb.Tensor:
+def _torch_parts(t, name: str) -> tuple[int, tuple[int, ...], memoryview]:
     import torch
 
-    kind = str(t.dtype).removeprefix("torch.")
-    dtype = _BY_NAME.get(kind)
+    dtype = wire_dtype(t)
     if dtype is None:
         raise TypeError(f"{name}: dtype {t.dtype} has no wire dtype; use one of {', '.join(_BY_NAME)}")
-    t = t.detach().to("cpu").contiguous()
-    flat = t.reshape(-1)
-    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    shape = tuple(t.shape)
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
     if sys.byteorder != "little" and t.element_size() > 1:
-        data = np.frombuffer(data, dtype=f">u{t.element_size()}").astype(f"<u{t.element_size()}").tobytes()
-    return pb.Tensor(dtype=dtype, shape=list(t.shape), data=data)
+        size = t.element_size()
+        raw = raw.view(f">u{size}").astype(f"<u{size}").view(np.uint8)
+    return dtype, shape, memoryview(raw)
 
 
-def _check(msg: pb.Tensor, name: str) -> tuple[int, ...]:
+def encode(x, name: str = "tensor") -> pb.Tensor:
+    """A Tensor message holding ``x`` (numpy array, array-like, or torch tensor)."""
+    dtype, shape, data = tensor_parts(x, name)
+    return pb.Tensor(dtype=dtype, shape=shape, data=bytes(data))
+
+
+def _check(msg: pb.Tensor, name: str, data) -> tuple[int, ...]:
     if msg.dtype not in ITEMSIZE:
         raise ValueError(f"{name}.dtype: unknown value {msg.dtype}")
     shape = tuple(msg.shape)
     need = math.prod(shape) * ITEMSIZE[msg.dtype]
-    if len(msg.data) != need:
-        raise ValueError(f"{name}.data: {len(msg.data)} bytes, but shape {list(shape)} of "
+    if len(data) != need:
+        raise ValueError(f"{name}.data: {len(data)} bytes, but shape {list(shape)} of "
                          f"{dtype_name(msg.dtype)} needs {need}")
     return shape
 
 
-def decode(msg: pb.Tensor, name: str = "tensor") -> np.ndarray:
-    """A numpy array (a writable copy) of ``msg``; bfloat16 becomes float32."""
-    shape = _check(msg, name)
+def decode(msg: pb.Tensor, name: str = "tensor", data=None) -> np.ndarray:
+    """A numpy array (a writable copy, made in one pass) of ``msg``; bfloat16 becomes float32.
+    ``data``: the elements when read apart from the message (:func:`logitserve.client.wire.split`),
+    else ``msg.data``."""
+    data = msg.data if data is None else data
+    shape = _check(msg, name, data)
     if msg.dtype == pb.DTYPE_BFLOAT16:
-        bits = np.frombuffer(msg.data, dtype="<u2").astype(np.uint32) << 16
+        bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
         return bits.view(np.float32).reshape(shape)
-    return np.frombuffer(msg.data, dtype=NUMPY_DTYPES[msg.dtype]).reshape(shape).astype(
+    return np.frombuffer(data, dtype=NUMPY_DTYPES[msg.dtype]).reshape(shape).astype(
         NUMPY_DTYPES[msg.dtype].newbyteorder("="))
 
 
-def decode_torch(msg: pb.Tensor, name: str = "tensor"):
-    """A CPU torch tensor of ``msg``, bfloat16 kept (imports torch)."""
+def decode_torch(msg: pb.Tensor, name: str = "tensor", data=None):
+    """A CPU torch tensor of ``msg``, bfloat16 kept (imports torch); ``data`` as in :func:`decode`."""
     import torch
 
-    shape = _check(msg, name)
-    raw = np.frombuffer(msg.data, dtype=np.uint8).copy()
+    data = msg.data if data is None else data
+    shape = _check(msg, name, data)
+    raw = np.frombuffer(data, dtype=np.uint8).copy()
     if sys.byteorder != "little" and ITEMSIZE[msg.dtype] > 1:
         size = ITEMSIZE[msg.dtype]
         raw = raw.view(f"<u{size}").astype(f">u{size}").view(np.uint8)

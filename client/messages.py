@@ -1,4 +1,12 @@
-"""Requests from Python arguments, results from responses: shared by Client and AsyncClient."""
+"""Requests from Python arguments, results from responses: shared by Client and AsyncClient.
+
+An :class:`Encoder` builds one request: each tensor argument becomes a ``Tensor`` that names a
+region (when it lies in one registered through the client, found by its address) or whose bytes
+are held apart, to be framed into the serialized request once (:mod:`.wire`); ``out=`` arguments
+become the request's ``output_regions``. The ``*_request`` functions build complete messages
+(bytes inside) for callers that want the message itself; the ``*_result`` functions read answers,
+returning an ``out=`` argument itself for each output the server wrote into a region.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +14,16 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import grpc
+
 import numpy as np
 
 from logitserve.v1 import logitserve_pb2 as pb
 
-from .codec import decode, dtype_name, encode, is_torch
+from . import codec, wire
+from .codec import decode, dtype_name, is_torch
+from .errors import LogitServeError
+from .regions import RegionTable
 
 FILTER_ORDERS = {"top_k_first": pb.FILTER_ORDER_TOP_K_FIRST, "joint": pb.FILTER_ORDER_JOINT}
 STEP_OPS = ("sample", "route_experts", "softmax", "causal_softmax", "silu", "swiglu")
@@ -54,6 +67,93 @@ class ServerInfo:
 
 # ------------------------------------------------------------------------------------ requests
 
+# The outputs of each operator (its request's output_regions keys), and what each must be.
+SAMPLE_OUTPUTS = ("token_ids", "seeds", "valid")
+ROUTE_OUTPUTS = ("weights", "indices")
+TENSOR_OUTPUTS = ("out",)
+
+
+class Encoder:
+    """One request in the making: the tensors' bytes held apart (``data``, by path), the
+    outputs given with ``out=`` (``outputs``, by path: returned in place of decoded arrays) and
+    the CUDA devices whose memory the request names (``cuda_devices``: their streams are
+    synchronized before it is sent). ``table``: the client's regions (None: every tensor goes
+    as bytes, and ``out=`` is refused)."""
+
+    def __init__(self, table: RegionTable | None = None):
+        self.table = table
+        self.data: dict[wire.Path, memoryview] = {}
+        self.outputs: dict[wire.Path, Any] = {}
+        self.cuda_devices: set[int] = set()
+
+    def tensor(self, x, path: wire.Path, label: str) -> pb.Tensor:
+        """The Tensor for argument ``x`` at ``path``: a region reference when ``x`` lies in a
+        registered region, else its header, its bytes kept in ``data``. A ``pb.Tensor`` (e.g.
+        ``regions.region_tensor``) is taken as it is."""
+        if isinstance(x, pb.Tensor):
+            return x
+        where = self.table.locate(x) if self.table is not None else None
+        if where is not None:
+            if where.device is not None:
+                self.cuda_devices.add(where.device)
+            return pb.Tensor(dtype=codec.wire_dtype(x), shape=tuple(x.shape), region=where.ref())
+        dtype, shape, data = codec.tensor_parts(x, label)
+        self.data[path] = data
+        return pb.Tensor(dtype=dtype, shape=shape)
+
+    def outputs_into(self, msg, path: wire.Path, out, expect: Mapping[str, tuple[int, tuple[int, ...]]]) -> None:
+        """Fill ``msg.output_regions`` from ``out``: one array or tensor (an operator with the
+        single output ``out``), a dict by output name, or an object with those attributes
+        (e.g. a :class:`SampleResult` of registered arrays). Each must have the dtype and shape
+        ``expect[name]`` says and lie, contiguous, in a region registered through the client."""
+        if out is None:
+            return
+        names = tuple(expect)
+        if isinstance(out, Mapping):
+            unknown = set(out) - set(names)
+            if unknown:
+                raise ValueError(f"out: {sorted(unknown)} are not outputs of this call; use {', '.join(names)}")
+            given = {k: v for k, v in out.items() if v is not None}
+        elif names == TENSOR_OUTPUTS and (is_torch(out) or isinstance(out, np.ndarray)):
+            given = {"out": out}
+        elif isinstance(out, tuple) and len(out) == len(names):
+            given = {k: v for k, v in zip(names, out) if v is not None}
+        else:
+            given = {k: getattr(out, k) for k in names if getattr(out, k, None) is not None}
+            if not given:
+                raise TypeError(f"out: give a dict or an object with some of {', '.join(names)}")
+        for name, obj in given.items():
+            label = "out" if names == TENSOR_OUTPUTS else f"out[{name!r}]"
+            dtype, shape = expect[name]
+            if not (is_torch(obj) or isinstance(obj, np.ndarray)):
+                raise TypeError(f"{label}: a numpy array or torch tensor in a registered region, got {type(obj).__name__}")
+            have = codec.wire_dtype(obj)
+            if have != dtype or tuple(obj.shape) != tuple(shape):
+                have_name = dtype_name(have) if have is not None else str(obj.dtype)
+                raise ValueError(f"{label}: must be {dtype_name(dtype)} of shape {list(shape)}, "
+                                 f"got {have_name} of shape {list(obj.shape)}")
+            where = self.table.locate(obj) if self.table is not None else None
+            if where is None:
+                raise ValueError(f"{label}: not inside a region registered through this client (register it with "
+                                 f"register_system / register_cuda; it must be contiguous and little-endian)")
+            if where.device is not None:
+                self.cuda_devices.add(where.device)
+            msg.output_regions[name].CopyFrom(where.ref())
+            self.outputs[(*path, name)] = obj
+
+    def serialize(self, msg) -> bytes:
+        """The request's bytes, each tensor's bytes copied once (:func:`.wire.serialize`)."""
+        return wire.serialize(msg, self.data)
+
+    def full(self, msg):
+        """``msg`` with every held tensor's bytes put into its ``data`` (a complete message)."""
+        for path, data in self.data.items():
+            tensor = msg
+            for name in path:
+                tensor = getattr(tensor, name)
+            tensor.data = bytes(data)
+        return msg
+
 
 def _is_scalar(value) -> bool:
     if isinstance(value, (numbers.Number, np.generic)):
@@ -63,7 +163,7 @@ def _is_scalar(value) -> bool:
     return False
 
 
-def _set_param(msg, name: str, value, *, floating: bool) -> None:
+def _set_param(enc: Encoder, path: wire.Path, msg, name: str, value, *, floating: bool) -> None:
     """A sampling parameter: scalar field ``name``, or per-row Tensor ``name + "_rows"``."""
     if value is None:
         return
@@ -73,62 +173,89 @@ def _set_param(msg, name: str, value, *, floating: bool) -> None:
     if is_torch(value):
         if floating and not value.is_floating_point():
             value = value.double()
-    else:
+    elif not isinstance(value, pb.Tensor):
         value = np.asarray(value)
         if floating and value.dtype.kind in "biu":
             value = value.astype(np.float64)
-    getattr(msg, f"{name}_rows").CopyFrom(encode(value, f"{name}"))
+    field = f"{name}_rows"
+    getattr(msg, field).CopyFrom(enc.tensor(value, (*path, field), name))
 
 
-def sample_request(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0,
-                   filter_order="top_k_first", random_val=None) -> pb.SampleRequest:
+def _rows(tensor: pb.Tensor) -> int:
+    return int(tensor.shape[0]) if len(tensor.shape) else 0
+
+
+def build_sample(enc: Encoder, path: wire.Path, logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                 seed=None, step=0, filter_order="top_k_first", random_val=None, out=None) -> pb.SampleRequest:
     if filter_order not in FILTER_ORDERS:
         raise ValueError(f"filter_order: must be one of {', '.join(FILTER_ORDERS)}, got {filter_order!r}")
-    msg = pb.SampleRequest(logits=encode(logits, "logits"), filter_order=FILTER_ORDERS[filter_order])
+    msg = pb.SampleRequest(logits=enc.tensor(logits, (*path, "logits"), "logits"),
+                           filter_order=FILTER_ORDERS[filter_order])
     for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
                         ("random_val", random_val)):
-        _set_param(msg, name, value, floating=True)
+        _set_param(enc, path, msg, name, value, floating=True)
     for name, value in (("top_k", top_k), ("seed", seed), ("step", step)):
-        _set_param(msg, name, value, floating=False)
+        _set_param(enc, path, msg, name, value, floating=False)
+    rows = (_rows(msg.logits),)
+    enc.outputs_into(msg, path, out, {"token_ids": (pb.DTYPE_INT64, rows), "seeds": (pb.DTYPE_INT64, rows),
+                                      "valid": (pb.DTYPE_BOOL, rows)})
     return msg
 
 
-def route_experts_request(gate_logits, k: int, renormalize: bool = False) -> pb.RouteExpertsRequest:
-    return pb.RouteExpertsRequest(gate_logits=encode(gate_logits, "gate_logits"), k=int(k), renormalize=renormalize)
+def build_route_experts(enc: Encoder, path: wire.Path, gate_logits, k: int, renormalize: bool = False, *,
+                        out=None) -> pb.RouteExpertsRequest:
+    msg = pb.RouteExpertsRequest(gate_logits=enc.tensor(gate_logits, (*path, "gate_logits"), "gate_logits"),
+                                 k=int(k), renormalize=renormalize)
+    shape = (_rows(msg.gate_logits), int(k))
+    enc.outputs_into(msg, path, out, {"weights": (pb.DTYPE_FLOAT32, shape), "indices": (pb.DTYPE_INT32, shape)})
+    return msg
 
 
-def softmax_request(x, dim: int = -1) -> pb.SoftmaxRequest:
-    return pb.SoftmaxRequest(x=encode(x, "x"), dim=int(dim))
+def _like(tensor: pb.Tensor, shape=None) -> dict:
+    return {"out": (tensor.dtype, tuple(tensor.shape) if shape is None else tuple(shape))}
 
 
-def causal_softmax_request(x) -> pb.CausalSoftmaxRequest:
-    return pb.CausalSoftmaxRequest(x=encode(x, "x"))
+def build_softmax(enc: Encoder, path: wire.Path, x, dim: int = -1, *, out=None) -> pb.SoftmaxRequest:
+    msg = pb.SoftmaxRequest(x=enc.tensor(x, (*path, "x"), "x"), dim=int(dim))
+    enc.outputs_into(msg, path, out, _like(msg.x))
+    return msg
 
 
-def silu_request(x) -> pb.SiluRequest:
-    return pb.SiluRequest(x=encode(x, "x"))
+def build_causal_softmax(enc: Encoder, path: wire.Path, x, *, out=None) -> pb.CausalSoftmaxRequest:
+    msg = pb.CausalSoftmaxRequest(x=enc.tensor(x, (*path, "x"), "x"))
+    enc.outputs_into(msg, path, out, _like(msg.x))
+    return msg
 
 
-def swiglu_request(gate, up) -> pb.SiluRequest:
-    return pb.SiluRequest(x=encode(gate, "gate"), up=encode(up, "up"))
+def build_silu(enc: Encoder, path: wire.Path, x, *, out=None) -> pb.SiluRequest:
+    msg = pb.SiluRequest(x=enc.tensor(x, (*path, "x"), "x"))
+    enc.outputs_into(msg, path, out, _like(msg.x))
+    return msg
+
+
+def build_swiglu(enc: Encoder, path: wire.Path, gate, up, *, out=None) -> pb.SiluRequest:
+    msg = pb.SiluRequest(x=enc.tensor(gate, (*path, "x"), "gate"), up=enc.tensor(up, (*path, "up"), "up"))
+    if out is not None:
+        try:
+            shape = np.broadcast_shapes(tuple(msg.x.shape), tuple(msg.up.shape))
+        except ValueError:
+            raise ValueError(f"gate {list(msg.x.shape)} and up {list(msg.up.shape)} do not broadcast") from None
+        enc.outputs_into(msg, path, out, _like(msg.x, shape))
+    return msg
 
 
 _BUILDERS = {
-    "sample": sample_request,
-    "route_experts": route_experts_request,
-    "softmax": softmax_request,
-    "causal_softmax": causal_softmax_request,
-    "silu": silu_request,
-    "swiglu": swiglu_request,
+    "sample": build_sample,
+    "route_experts": build_route_experts,
+    "softmax": build_softmax,
+    "causal_softmax": build_causal_softmax,
+    "silu": build_silu,
+    "swiglu": build_swiglu,
 }
 
 
-def step_request(id: str = "", **ops: Mapping[str, Any] | None) -> pb.StepRequest:
-    """A StepRequest from keyword arguments per operator, e.g.
-    ``step_request(sample={"logits": x, "temperature": 0.7}, route_experts={"gate_logits": g, "k": 2})``.
-
-    ``swiglu={"gate": g, "up": u}`` fills the step's ``silu`` slot (a step holds one of the two).
-    """
+def build_step(enc: Encoder, id: str = "", **ops: Mapping[str, Any] | None) -> pb.StepRequest:
+    """A StepRequest from keyword arguments per operator (see :func:`step_request`)."""
     unknown = set(ops) - set(STEP_OPS)
     if unknown:
         raise TypeError(f"step: unknown operator(s) {sorted(unknown)}; use {', '.join(STEP_OPS)}")
@@ -139,9 +266,49 @@ def step_request(id: str = "", **ops: Mapping[str, Any] | None) -> pb.StepReques
         if kwargs is None:
             continue
         slot = "silu" if name == "swiglu" else name
-        built = kwargs if not isinstance(kwargs, Mapping) else _BUILDERS[name](**kwargs)
+        built = kwargs if not isinstance(kwargs, Mapping) else _BUILDERS[name](enc, (slot,), **kwargs)
         getattr(msg, slot).CopyFrom(built)
     return msg
+
+
+def _complete(builder, *args, **kwargs):
+    enc = Encoder()
+    return enc.full(builder(enc, (), *args, **kwargs))
+
+
+def sample_request(logits, **kwargs) -> pb.SampleRequest:
+    """A complete SampleRequest (arguments as ``Client.sample``'s, without ``out``)."""
+    return _complete(build_sample, logits, **kwargs)
+
+
+def route_experts_request(gate_logits, k: int, renormalize: bool = False) -> pb.RouteExpertsRequest:
+    return _complete(build_route_experts, gate_logits, k, renormalize)
+
+
+def softmax_request(x, dim: int = -1) -> pb.SoftmaxRequest:
+    return _complete(build_softmax, x, dim)
+
+
+def causal_softmax_request(x) -> pb.CausalSoftmaxRequest:
+    return _complete(build_causal_softmax, x)
+
+
+def silu_request(x) -> pb.SiluRequest:
+    return _complete(build_silu, x)
+
+
+def swiglu_request(gate, up) -> pb.SiluRequest:
+    return _complete(build_swiglu, gate, up)
+
+
+def step_request(id: str = "", **ops: Mapping[str, Any] | None) -> pb.StepRequest:
+    """A StepRequest from keyword arguments per operator, e.g.
+    ``step_request(sample={"logits": x, "temperature": 0.7}, route_experts={"gate_logits": g, "k": 2})``.
+
+    ``swiglu={"gate": g, "up": u}`` fills the step's ``silu`` slot (a step holds one of the two).
+    """
+    enc = Encoder()
+    return enc.full(build_step(enc, id, **ops))
 
 
 def as_step_request(step) -> pb.StepRequest:
@@ -151,29 +318,60 @@ def as_step_request(step) -> pb.StepRequest:
 
 # ------------------------------------------------------------------------------------- results
 
-
-def sample_result(msg: pb.SampleResponse) -> SampleResult:
-    return SampleResult(decode(msg.token_ids, "token_ids"), decode(msg.seeds, "seeds"), decode(msg.valid, "valid"))
-
-
-def route_experts_result(msg: pb.RouteExpertsResponse) -> tuple[np.ndarray, np.ndarray]:
-    return decode(msg.weights, "weights"), decode(msg.indices, "indices")
+Views = Mapping[wire.Path, memoryview]
+_NONE: dict = {}
 
 
-def tensor_result(msg) -> np.ndarray:
-    return decode(msg.out, "out")
+def _tensor(msg: pb.Tensor, path: wire.Path, views: Views, outputs: Mapping[wire.Path, Any]):
+    """An answer's tensor: the caller's ``out=`` object where the server wrote it into a region,
+    else a numpy array decoded from its bytes (``views[path]`` when read apart)."""
+    given = outputs.get(path)
+    if given is not None:
+        if not msg.HasField("region"):
+            raise LogitServeError(grpc.StatusCode.UNIMPLEMENTED,
+                                  f"{'.'.join(path)}: asked for in a region, but the server answered bytes "
+                                  f"(a server without output regions?)")
+        return given
+    return decode(msg, ".".join(path), views.get(path))
 
 
-def step_result(msg: pb.StepResponse) -> StepResult:
-    has = msg.HasField
+def sample_result(msg: pb.SampleResponse, views: Views = _NONE, outputs=_NONE, path: wire.Path = ()) -> SampleResult:
+    return SampleResult(*(_tensor(getattr(msg, name), (*path, name), views, outputs) for name in SAMPLE_OUTPUTS))
+
+
+def route_experts_result(msg: pb.RouteExpertsResponse, views: Views = _NONE, outputs=_NONE,
+                         path: wire.Path = ()) -> tuple[np.ndarray, np.ndarray]:
+    return tuple(_tensor(getattr(msg, name), (*path, name), views, outputs) for name in ROUTE_OUTPUTS)
+
+
+def tensor_result(msg, views: Views = _NONE, outputs=_NONE, path: wire.Path = ()) -> np.ndarray:
+    return _tensor(msg.out, (*path, "out"), views, outputs)
+
+
+def step_result(msg: pb.StepResponse, views: Views = _NONE, outputs=_NONE) -> StepResult:
+    def part(name, read, slot=None):
+        slot = slot or name
+        return read(getattr(msg, slot), views, outputs, (slot,)) if msg.HasField(slot) else None
+
     return StepResult(
         id=msg.id,
-        sample=sample_result(msg.sample) if has("sample") else None,
-        route_experts=route_experts_result(msg.route_experts) if has("route_experts") else None,
-        softmax=tensor_result(msg.softmax) if has("softmax") else None,
-        causal_softmax=tensor_result(msg.causal_softmax) if has("causal_softmax") else None,
-        silu=tensor_result(msg.silu) if has("silu") else None,
+        sample=part("sample", sample_result),
+        route_experts=part("route_experts", route_experts_result),
+        softmax=part("softmax", tensor_result),
+        causal_softmax=part("causal_softmax", tensor_result),
+        silu=part("silu", tensor_result),
     )
+
+
+def reader(response_type, read, outputs=_NONE):
+    """``raw answer bytes -> result``: the tensors' bytes read where they arrived
+    (:func:`.wire.split`), ``outputs`` (an Encoder's) returned for those written into regions."""
+
+    def parse(raw: bytes):
+        msg, views = wire.split(raw, response_type)
+        return read(msg, views, outputs)
+
+    return parse
 
 
 def server_info(msg: pb.GetServerInfoResponse) -> ServerInfo:
