@@ -1,4 +1,5 @@
-"""Wiring: the grpc.aio server with LogitServe, health, reflection (each handler guarded), TLS, metrics.
+"""Wiring: the grpc.aio server with LogitServe, SharedMemory, health, reflection (each handler
+guarded), TLS, metrics.
 
 ``create_server(config) -> (service, port)`` builds and binds everything (port 0 picks a free
 port, as tests do); then ``await service.start()`` accepts calls with health NOT_SERVING,
@@ -20,7 +21,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
-from . import ops
+from . import ops, regions_servicer
 from .auth import TokenStore
 from .batcher import Batcher
 from .busy_poll import BusyPollEventLoop
@@ -30,6 +31,7 @@ from .guard import Guard, GuardedRegistrar, status_for
 from .logs import get_logger, log_event
 from .metrics import Metrics
 from .occupancy import Occupancy
+from .regions import RegionRegistry
 from .servicer import LogitServeServicer, request_parsers
 from .tensors import TORCH_DTYPES
 from .version import __version__
@@ -60,6 +62,10 @@ class Service:
         self.limits = ops.Limits(max_rows=config.max_rows, max_vocab=config.max_vocab,
                                  max_output_bytes=config.max_message_bytes)
         self.handle = DeviceHandle(config.resolved_device, config.backend, config.cuda_graphs)
+        # Shared-memory regions of every client; CUDA ones only on this server's device.
+        device = self.handle.device
+        self.regions = RegionRegistry(config.max_regions, config.max_region_bytes,
+                                      devices=(device.index,) if device.type == "cuda" else ())
         self.metrics = Metrics()
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
@@ -89,10 +95,12 @@ class Service:
         ])
         guarded = GuardedRegistrar(self.server, guard, request_parsers())
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)
+        regions_servicer.add_to_server(self.regions, guarded)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
         # What reflection.enable_server_reflection does for a grpc.aio server, through the guard.
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-            reflection.aio.ReflectionServicer((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)), guarded)
+            reflection.aio.ReflectionServicer((SERVICE_NAME, regions_servicer.SERVICE_NAME, HEALTH_SERVICE_NAME,
+                                               reflection.SERVICE_NAME)), guarded)
         host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
         address = f"{host}:{config.port}"
         creds = _server_credentials(config)
@@ -155,8 +163,10 @@ class Service:
         await self.server.stop(grace)
         await self.batcher.close()
         await asyncio.to_thread(self.handle.close)
+        self.regions.close()  # every call has ended: nothing holds a lease, every region is unmapped
         self.metrics.close()
-        log_event(log, "stopped", launches=self.batcher.launches, requests=self.batcher.batched_requests)
+        log_event(log, "stopped", launches=self.batcher.launches, requests=self.batcher.batched_requests,
+                  regions_mapped=self.regions.mapped_count)
         self._stopped.set()
 
     async def wait_for_termination(self) -> None:

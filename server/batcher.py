@@ -185,7 +185,8 @@ class Batcher:
                 return
             log_event(log, "batch failed, retrying calls alone", op=calls[0].op, calls=len(batch), error=repr(exc))
             for p in batch:
-                await self._launch([p], loop)
+                if not p.future.done():  # a call whose client left meanwhile is not launched again
+                    await self._launch([p], loop)
             return
         for p, result in zip(batch, results):
             self._resolve(p, result=result)

@@ -82,6 +82,10 @@ FLAGS = (
     ("--metrics-port", int, _D.metrics_port, "Prometheus /metrics port, worker i on this port + i (0: off)"),
     ("--busy-poll-us", int, _D.busy_poll_us, "how long the event loop polls for the next call before it sleeps "
      "(us; 0: it sleeps at once)"),
+    ("--max-regions", int, _D.max_regions, "shared-memory regions mapped at once, all clients together "
+     "(0: none)"),
+    ("--max-region-bytes", int, _D.max_region_bytes, "bytes of shared-memory regions mapped at once, all clients "
+     "together"),
     ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
     ("--log-level", str, _D.log_level, f"one of {', '.join(LOG_LEVELS)}"),
 )

@@ -69,6 +69,11 @@ class ServerConfig:
     # 0: it sleeps at once. Only while the server serves a lone client (no overlapping calls for
     # 50 ms), so a loaded server sleeps as before.
     busy_poll_us: int = 2000
+    # Shared-memory regions (the SharedMemory service): most regions mapped at once, all owners
+    # together, and their bytes (system: the length mapped; CUDA: offset + byte_size). 0 regions
+    # turns registration off (RESOURCE_EXHAUSTED).
+    max_regions: int = 256
+    max_region_bytes: int = 16 << 30
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0
     log_level: str = "info"
@@ -85,6 +90,10 @@ class ServerConfig:
             raise ValueError(f"max_delay_us: must be >= 0, got {self.max_delay_us}")
         if self.max_message_bytes > 2**31 - 1:
             raise ValueError(f"max_message_bytes: gRPC's limit is 2147483647, got {self.max_message_bytes}")
+        if self.max_regions < 0:
+            raise ValueError(f"max_regions: must be >= 0 (0: no regions), got {self.max_regions}")
+        if self.max_region_bytes < 0:
+            raise ValueError(f"max_region_bytes: must be >= 0, got {self.max_region_bytes}")
         if self.busy_poll_us < 0:
             raise ValueError(f"busy_poll_us: must be >= 0 (0: off), got {self.busy_poll_us}")
         if self.grace_period_s < 0:

@@ -92,6 +92,11 @@ class DeviceHandle:
         # (run_batch). It may raise (a device fault: those calls fail, INTERNAL) or sleep (a slow
         # device).
         self.before_launch: Callable[[list], None] | None = None
+        # How a batch of several calls reading regions in place launches (server/ops/resident.py:
+        # "gather" or "per-call"; None: its default). An in-process hook for
+        # bench/region_batching.py (python -m logitserve.server.process --region-batching), never
+        # set from the wire.
+        self.region_batching: str | None = None
 
     @property
     def properties(self) -> dict:
@@ -119,14 +124,29 @@ class DeviceHandle:
         The one way a batch reaches the device: :attr:`before_launch` (when set) on the launch
         thread, then the op's ``run_batch(calls, handle)``, whose graph replay is waited for as
         ``wait`` says (a capture or an eager launch always runs on the launch thread).
+
+        Calls with regions (``call.regions``, server/regions/calls.py) hold their leases from
+        here until the device has finished with them: whatever ends this coroutine, it returns
+        only once the launch thread and the stream are done (:meth:`submit`, :meth:`_polled`),
+        so a client that cancels meanwhile cannot have its memory unmapped under a kernel.
         """
-        if self.before_launch is not None:
-            await self.run(self.before_launch, calls)
-        token = _wait.set(wait)
+        held = []
         try:
-            return await type(calls[0]).run_batch(calls, self)
+            for call in calls:
+                regions = getattr(call, "regions", None)
+                if regions is not None and regions.leases:
+                    regions.hold()
+                    held.append(regions)
+            if self.before_launch is not None:
+                await self.run(self.before_launch, calls)
+            token = _wait.set(wait)
+            try:
+                return await type(calls[0]).run_batch(calls, self)
+            finally:
+                _wait.reset(token)
         finally:
-            _wait.reset(token)
+            for regions in held:
+                regions.release()
 
     async def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray]:
         """An op's batched launch, alone on the device; its outputs on the host, as arrays.

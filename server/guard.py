@@ -9,6 +9,8 @@ and of the server's throughput.
 
 Status codes (the one place they are decided), by exception:
 
+- :class:`~.regions.RegionNotFound`: NOT_FOUND (no such region of the caller);
+- :class:`~.regions.RegionExists`: ALREADY_EXISTS (a region name registered twice);
 - ``ValueError``, ``TypeError``: INVALID_ARGUMENT, with the message;
 - :class:`~.errors.TooLarge`, :class:`~.errors.QueueFull`, ``torch.OutOfMemoryError``:
   RESOURCE_EXHAUSTED (out of device memory, the caller may retry smaller or elsewhere);
@@ -35,6 +37,7 @@ import torch
 
 from .errors import DeadlineExpired, Draining, QueueFull, TooLarge, Unauthenticated
 from .logs import get_logger, log_event
+from .regions import RegionExists, RegionNotFound
 
 log = get_logger("rpc")
 
@@ -42,6 +45,8 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REQUEST_ID_KEY = "x-request-id"
 
 _STATUS = (
+    ((RegionNotFound,), grpc.StatusCode.NOT_FOUND),
+    ((RegionExists,), grpc.StatusCode.ALREADY_EXISTS),
     ((ValueError, TypeError), grpc.StatusCode.INVALID_ARGUMENT),
     ((TooLarge, QueueFull, torch.OutOfMemoryError), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ((DeadlineExpired, asyncio.TimeoutError), grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -4,6 +4,12 @@ and answers with its result. Errors are raised, never set here: guard.py maps th
 The requests of the RPCs that carry tensors (the operators, Step, StreamSteps) arrive read by
 :func:`request_parsers`' deserializers, their tensors' bytes left where gRPC received them
 (wire.py): those handlers get a :class:`~.wire.Received`.
+
+Each request gets a :class:`~.regions.CallRegions` for the caller's owner (its
+``authorization`` metadata), through which validation resolves the tensors and outputs that
+live in shared-memory regions; the handler lets go of it (``finish``) once the answer is built
+or the call failed, and the last launch reading its memory releases the leases
+(server/regions/calls.py).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 from . import ops
 from .errors import Draining
 from .guard import note_rows
+from .regions import CallRegions
+from .regions_servicer import caller
 from .wire import InPlaceReader, Received
 
 SERVICE = pb.DESCRIPTOR.services_by_name["LogitServe"]
@@ -70,35 +78,49 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     def __init__(self, service):
         self._service = service
 
-    def _call(self, op, request: Received):
-        return op.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes)
+    def _regions(self, context) -> CallRegions | None:
+        """The request's regions, for the caller's owner (read from its metadata when first needed)."""
+        registry = self._service.regions
+        return None if registry is None else CallRegions(registry, lambda: caller(context))
 
-    async def _run(self, call, context):
-        note_rows(call.rows)
-        result = await self._service.batcher.submit(call, timeout=context.time_remaining())
-        return result.to_pb()
+    async def _run(self, op, request: Received, context):
+        regions = self._regions(context)
+        try:
+            call = op.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes, regions=regions)
+            note_rows(call.rows)
+            result = await self._service.batcher.submit(call, timeout=context.time_remaining())
+            return result.to_pb()  # writes the outputs into system regions: before the leases go
+        finally:
+            if regions is not None:
+                regions.finish()
 
     async def Sample(self, request: Received, context):
-        return await self._run(self._call(ops.SampleCall, request), context)
+        return await self._run(ops.SampleCall, request, context)
 
     async def RouteExperts(self, request: Received, context):
-        return await self._run(self._call(ops.RouteExpertsCall, request), context)
+        return await self._run(ops.RouteExpertsCall, request, context)
 
     async def Softmax(self, request: Received, context):
-        return await self._run(self._call(ops.SoftmaxCall, request), context)
+        return await self._run(ops.SoftmaxCall, request, context)
 
     async def CausalSoftmax(self, request: Received, context):
-        return await self._run(self._call(ops.CausalSoftmaxCall, request), context)
+        return await self._run(ops.CausalSoftmaxCall, request, context)
 
     async def Silu(self, request: Received, context):
-        return await self._run(self._call(ops.SiluCall, request), context)
+        return await self._run(ops.SiluCall, request, context)
 
     async def _step(self, request: Received, context) -> pb.StepResponse:
-        step = ops.StepCall.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes)
-        note_rows(step.rows)
-        timeout = context.time_remaining()
-        submits = {name: self._service.batcher.submit(call, timeout=timeout) for name, call in step.calls.items()}
-        return ops.StepResult(step.id, await _all(submits)).to_pb()
+        regions = self._regions(context)
+        try:
+            step = ops.StepCall.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes,
+                                        regions=regions)
+            note_rows(step.rows)
+            timeout = context.time_remaining()
+            submits = {name: self._service.batcher.submit(call, timeout=timeout) for name, call in step.calls.items()}
+            return ops.StepResult(step.id, await _all(submits)).to_pb()
+        finally:
+            if regions is not None:
+                regions.finish()
 
     async def Step(self, request, context):
         return await self._step(request, context)

@@ -9,6 +9,12 @@ little-endian (x86-64, aarch64), so the bytes are used as they come.
 Decoding makes a :class:`HostTensor`, not a torch tensor: it runs on the event loop, where every
 torch call releases the GIL, and under load the loop then waits for the launch thread to give it
 back.
+
+A Tensor may instead name a slice of a registered region (``Tensor.region``): :func:`decode`
+checks it by the same dtype and shape rules, resolves it through the call's
+:class:`~.regions.CallRegions` (which holds the lease) and returns a :class:`HostTensor` over
+the region's bytes (system shared memory, ``in_region``) or a :class:`DeviceTensor` viewing the
+client's CUDA memory.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import numpy as np
 import torch
 
 from logitserve.v1 import logitserve_pb2 as pb
+
+from .regions import CUDA, region_of
 
 TORCH_DTYPES: dict[int, torch.dtype] = {
     pb.DTYPE_FLOAT16: torch.float16,
@@ -55,8 +63,32 @@ def field(message, name: str, path: str = "") -> pb.Tensor:
     return getattr(message, name)
 
 
+class _Shaped:
+    """Shape arithmetic shared by :class:`HostTensor` and :class:`DeviceTensor`, without torch."""
+
+    __slots__ = ()
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def _shape_of(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            shape = tuple(self.numel() // known if s == -1 else s for s in shape)
+        if math.prod(shape) != self.numel():
+            raise ValueError(f"cannot reshape {list(self.shape)} to {list(shape)}")
+        return shape
+
+
 @dataclass(eq=False, slots=True)
-class HostTensor:
+class HostTensor(_Shaped):
     """A checked tensor as it arrived: C-order little-endian ``data``, ``dtype`` and ``shape``.
 
     ``data`` is bytes, or a read-only view of the request's bytes (server/wire.py). Shape
@@ -70,6 +102,9 @@ class HostTensor:
     data: bytes | memoryview
     dtype: torch.dtype
     shape: tuple[int, ...]
+    # The bytes are a registered system shared-memory region's (a lease of the call holds it):
+    # on the CPU device the kernels read them in place.
+    in_region: bool = False
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "HostTensor":
@@ -77,24 +112,9 @@ class HostTensor:
         t = t.detach().to("cpu").contiguous()
         return cls(t.reshape(-1).view(torch.uint8).numpy().tobytes(), t.dtype, tuple(t.shape))
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def element_size(self) -> int:
-        return self.dtype.itemsize
-
     def reshape(self, *shape: int) -> "HostTensor":
         """The same bytes under another shape (one size may be -1)."""
-        if -1 in shape:
-            known = math.prod(s for s in shape if s != -1)
-            shape = tuple(self.numel() // known if s == -1 else s for s in shape)
-        if math.prod(shape) != self.numel():
-            raise ValueError(f"cannot reshape {list(self.shape)} to {list(shape)}")
-        return HostTensor(self.data, self.dtype, tuple(shape))
+        return HostTensor(self.data, self.dtype, self._shape_of(shape), self.in_region)
 
     def torch(self) -> torch.Tensor:
         """A CPU tensor viewing the bytes; read it, never write it (the bytes are immutable)."""
@@ -109,13 +129,40 @@ class HostTensor:
         return list(struct.unpack(f"<{self.numel()}{_STRUCT_CODES[self.dtype]}", self.data))
 
 
+@dataclass(eq=False, slots=True)
+class DeviceTensor(_Shaped):
+    """A checked tensor in a client's CUDA region: ``tensor`` views the region's memory (contiguous,
+    on the region's device; a lease of the call holds it mapped). The kernels read it in place:
+    it is never staged."""
+
+    tensor: torch.Tensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def reshape(self, *shape: int) -> "DeviceTensor":
+        """The same memory under another shape (one size may be -1); no torch call until :meth:`torch`."""
+        return DeviceTensor(self.tensor, self.dtype, self._shape_of(shape))
+
+    def torch(self) -> torch.Tensor:
+        """The device tensor, of this shape (on the launch thread)."""
+        return self.tensor.view(self.shape)
+
+    def tolist(self) -> list:
+        """The elements as Python numbers: a copy to the host, synchronous (a few per-row values)."""
+        return self.tensor.reshape(-1).tolist()
+
+
 def decode(msg: pb.Tensor, name: str, *, dtypes: tuple[torch.dtype, ...], ranks: tuple[int, ...],
-           data: memoryview | None = None) -> HostTensor:
-    """Check ``msg`` (the field called ``name``) and return it as a :class:`HostTensor`.
+           data: memoryview | None = None, regions=None) -> HostTensor | DeviceTensor:
+    """Check ``msg`` (the field called ``name``) and return it as a :class:`HostTensor` (or a
+    :class:`DeviceTensor` for a CUDA region).
 
     ``dtypes`` and ``ranks`` are what the field accepts; ``data``, when given, is the field's
     bytes as read in place from the request (server/wire.py), ``msg.data`` being empty.
+    ``regions``: the call's :class:`~.regions.CallRegions`, which resolves ``msg.region`` (None:
+    the caller takes no regions, and a reference is refused).
     """
+    ref = region_of(msg, name, None if data is None else len(data))
     code = msg.dtype
     if code == pb.DTYPE_UNSPECIFIED:
         raise ValueError(f"{name}.dtype: not set (DTYPE_UNSPECIFIED)")
@@ -132,6 +179,8 @@ def decode(msg: pb.Tensor, name: str, *, dtypes: tuple[torch.dtype, ...], ranks:
     if shape and min(shape) < 1:
         axis = next(i for i, size in enumerate(shape) if size < 1)
         raise ValueError(f"{name}.shape: dimension {axis} is {shape[axis]}; sizes must be >= 1 (no empty tensors)")
+    if ref is not None:
+        return region_tensor(regions, ref, dtype, shape, name)
     need = math.prod(shape) * dtype.itemsize
     if data is None:
         data = msg.data  # each read of a bytes field makes a new bytes object: read it once
@@ -140,11 +189,23 @@ def decode(msg: pb.Tensor, name: str, *, dtypes: tuple[torch.dtype, ...], ranks:
     return HostTensor(data, dtype, shape)
 
 
+def region_tensor(regions, ref, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> HostTensor | DeviceTensor:
+    """The tensor of ``dtype`` and ``shape`` at ``ref``, leased by the call's ``regions``."""
+    if regions is None:
+        raise ValueError(f"{name}.region: this call takes no shared-memory regions; send the elements in data")
+    lease = regions.resolve(ref, dtype, shape, name)
+    if lease.kind == CUDA:
+        return DeviceTensor(lease.view, dtype, shape)
+    return HostTensor(lease.view, dtype, shape, True)
+
+
 def tensor_field(message, name: str, path: str, in_place: Mapping[str, memoryview], *,
-                 dtypes: tuple[torch.dtype, ...], ranks: tuple[int, ...]) -> HostTensor:
+                 dtypes: tuple[torch.dtype, ...], ranks: tuple[int, ...], regions=None) -> HostTensor | DeviceTensor:
     """The required Tensor field ``name`` of ``message``, checked by :func:`decode`; its bytes
-    from ``in_place`` when the request was read with them in place (server/wire.py)."""
-    return decode(field(message, name, path), f"{path}{name}", dtypes=dtypes, ranks=ranks, data=in_place.get(name))
+    from ``in_place`` when the request was read with them in place (server/wire.py), or from
+    its region (resolved by the call's ``regions``)."""
+    return decode(field(message, name, path), f"{path}{name}", dtypes=dtypes, ranks=ranks, data=in_place.get(name),
+                  regions=regions)
 
 
 def from_torch(t: torch.Tensor) -> pb.Tensor:
@@ -192,9 +253,10 @@ def from_array(a: np.ndarray) -> pb.Tensor:
     return pb.Tensor(dtype=_NUMPY_PB_DTYPES[a.dtype], shape=list(a.shape), data=np.ascontiguousarray(a).tobytes())
 
 
-def rows_values(msg: pb.Tensor, name: str, rows: int, *, dtypes: tuple[torch.dtype, ...]) -> list:
-    """A per-row parameter: a ``[rows]`` tensor of one of ``dtypes``, as Python numbers."""
-    t = decode(msg, name, dtypes=dtypes, ranks=(1,))
+def rows_values(msg: pb.Tensor, name: str, rows: int, *, dtypes: tuple[torch.dtype, ...], regions=None) -> list:
+    """A per-row parameter: a ``[rows]`` tensor of one of ``dtypes`` (bytes, or in a region), as
+    Python numbers."""
+    t = decode(msg, name, dtypes=dtypes, ranks=(1,), regions=regions)
     if t.shape[0] != rows:
         raise ValueError(f"{name}.shape: must be [{rows}] (one value per row), got {list(t.shape)}")
     return t.tolist()

@@ -19,10 +19,11 @@ from logitserve.kernels.sampling.params import (FILTER_ORDERS, FLOAT_PARAMS, INT
                                                 SEED, SEED_BITS)
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..staging import Staging
+from ..staging import Staging, to_host
 from ..tensors import FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, pack, rows_values, tensor_field
-from .batching import split_rows
+from .batching import split, split_rows
 from .limits import Limits
+from .resident import Outputs, device_inputs, launches_in_place, launches_together
 
 # The wire's filter orders by enum value, unset meaning the first (the kernels' default).
 WIRE_FILTER_ORDERS = {pb.FILTER_ORDER_UNSPECIFIED: FILTER_ORDERS[0],
@@ -50,7 +51,7 @@ def _check_values(name: str, values: list, ok, rule: str, convert=lambda v: v) -
             raise ValueError(f"{name}[{i}]: {rule}, got {v}")
 
 
-def _param(msg, param, rows: int, path: str) -> Param | None:
+def _param(msg, param, rows: int, path: str, regions=None) -> Param | None:
     """A sampling parameter from its scalar field or its per-row tensor ``<name>_rows``; unset,
     its default. A float must keep its rule in float32 too, the precision the kernels read it in
     (a temperature of 1e300 is inf there, a top_p of 1e-300 is 0)."""
@@ -60,7 +61,7 @@ def _param(msg, param, rows: int, path: str) -> Param | None:
     if msg.HasField(param.rows_field):
         name = path + param.rows_field
         values = rows_values(getattr(msg, param.rows_field), name, rows,
-                             dtypes=(torch.float32, torch.float64) if floats else INTS)
+                             dtypes=(torch.float32, torch.float64) if floats else INTS, regions=regions)
         _check_values(name, values, param.ok, rule)
         if floats:
             _check_values(name, values, param.ok, in_float32, _as_float32)
@@ -108,24 +109,35 @@ class SampleCall:
     # then random_val if given) and ``[rows, 3]`` int64 (INT_PARAMS). Staging a batch then copies
     # one piece of each kind per call.
     params: tuple[HostTensor, HostTensor] = field(init=False, repr=False)
+    # The outputs to write into regions (output_regions), and the call's leases (server/regions/calls.py).
+    outputs: Outputs | None = None
+    regions: object = None
 
     op = "sample"
 
     @classmethod
     def from_pb(cls, msg: pb.SampleRequest, limits: Limits, path: str = "",
-                in_place: Mapping[str, memoryview] = NOT_IN_PLACE) -> "SampleCall":
-        logits = tensor_field(msg, "logits", path, in_place, dtypes=FLOATS, ranks=(2,))
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE, regions=None) -> "SampleCall":
+        logits = tensor_field(msg, "logits", path, in_place, dtypes=FLOATS, ranks=(2,), regions=regions)
         rows, vocab = logits.shape
         limits.check(f"{path}logits", rows, vocab)
         if msg.filter_order not in WIRE_FILTER_ORDERS:
             raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
-        values = {p.name: _param(msg, p, rows, path) for p in _CHECKED}
+        values = {p.name: _param(msg, p, rows, path, regions) for p in _CHECKED}
         if values["seed"] is None:
             values["seed"] = _draw_seeds(rows)
-        call = cls(logits=logits, filter_order=WIRE_FILTER_ORDERS[msg.filter_order], **values)
+        outputs = Outputs.of(msg, "Sample", regions, path, {"token_ids": (torch.int64, (rows,)),
+                                                            "seeds": (torch.int64, (rows,)),
+                                                            "valid": (torch.bool, (rows,))})
+        call = cls(logits=logits, filter_order=WIRE_FILTER_ORDERS[msg.filter_order], outputs=outputs,
+                   regions=regions, **values)
         if call.random_val is not None and _any_nonzero(call.min_p):
             raise ValueError(f"{path}min_p: must be 0 with random_val (InfiniCore's random_sample has no min-p)")
         return call
+
+    @property
+    def inputs(self) -> tuple:
+        return (self.logits,)
 
     @property
     def rows(self) -> int:
@@ -154,9 +166,11 @@ class SampleCall:
 
     @staticmethod
     async def run_batch(calls: list["SampleCall"], handle) -> list["SampleResult"]:
+        if launches_in_place(calls, handle.device):
+            done = await handle.run(_launch_in_place, calls, handle)
+            return [SampleResult(tokens.tolist(), c.seeds(), c.outputs, written=True) for tokens, c in done]
         rows = [c.rows for c in calls]
-        names = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + (RANDOM_VAL.name,)
-        names += INT_PARAMS
+        names = _param_names(calls)
         filter_order = calls[0].filter_order
 
         def stage_for(batch_rows: int) -> Staging:
@@ -179,15 +193,47 @@ class SampleCall:
             return (kernels.sample(logits, **params, filter_order=filter_order, backend=handle.backend),)
 
         tokens, = await handle.launch(calls[0].key, sum(rows), stage_for, launch)
-        return [SampleResult(t.tolist(), c.seeds()) for t, c in zip(split_rows(tokens, rows), calls)]
+        return [SampleResult(t.tolist(), c.seeds(), c.outputs) for t, c in zip(split_rows(tokens, rows), calls)]
+
+
+def _param_names(calls: list[SampleCall]) -> tuple[str, ...]:
+    """The kernel's per-row parameters, in the order of the packed float and int columns."""
+    names = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + (RANDOM_VAL.name,)
+    return names + INT_PARAMS
+
+
+def _launch_in_place(calls: list[SampleCall], handle) -> list[tuple[torch.Tensor, SampleCall]]:
+    """On the launch thread: ``calls`` launched on their logits where they are (server/ops/resident.py),
+    together or one by one; each call's outputs put into its regions. Each call's token ids on
+    the host (read once the stream is done), with the call."""
+    names = _param_names(calls)
+    groups = [calls] if launches_together(calls, handle) else [[c] for c in calls]
+    done = []
+    for group in groups:
+        logits, floats, ints = device_inputs(handle, [c.logits for c in group], [c.params[0] for c in group],
+                                             [c.params[1] for c in group])
+        params = dict(zip(names, (*floats.unbind(1), *ints.unbind(1))))
+        tokens = kernels.sample(logits, **params, filter_order=group[0].filter_order, backend=handle.backend)
+        for t, c in zip(split(tokens, [c.rows for c in group]), group):
+            if c.outputs is not None:
+                for name, value in (("token_ids", t), ("valid", t >= 0),
+                                    ("seeds", torch.tensor(c.seeds(), dtype=torch.int64))):
+                    if name in c.outputs:
+                        c.outputs.put(name, value)
+            done.append((to_host(t), c))
+    return done
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
     seeds: list[int]
+    outputs: Outputs | None = None  # the outputs that go into regions
+    written: bool = False  # they are there already (else to_pb writes them: system regions)
 
     def to_pb(self) -> pb.SampleResponse:
+        if self.outputs is not None:
+            return self._to_regions()
         # Built from Python ints with struct: torch calls on the event loop cost far more. The
         # tensors' dtypes and shapes come parsed from a frame made once per row count: setting
         # them field by field cost twice as much as the whole answer does this way.
@@ -199,6 +245,22 @@ class SampleResult:
         response.token_ids.data = pack(self.token_ids, torch.int64)
         response.seeds.data = pack(self.seeds, torch.int64)
         response.valid.data = pack([i >= 0 for i in self.token_ids], torch.bool)
+        return response
+
+    def _to_regions(self) -> pb.SampleResponse:
+        """The answer with the outputs named in output_regions written there (unless written on
+        the device already) and referenced, the others as bytes."""
+        rows = len(self.token_ids)
+        response = pb.SampleResponse()
+        for name, dtype, values in (("token_ids", torch.int64, self.token_ids), ("seeds", torch.int64, self.seeds),
+                                    ("valid", torch.bool, [i >= 0 for i in self.token_ids])):
+            if name in self.outputs:
+                if not self.written:
+                    self.outputs.write(name, pack(values, dtype))
+                getattr(response, name).CopyFrom(self.outputs.message(name))
+            else:
+                getattr(response, name).CopyFrom(pb.Tensor(dtype=PB_DTYPES[dtype], shape=[rows],
+                                                           data=pack(values, dtype)))
         return response
 
 

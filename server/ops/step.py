@@ -37,9 +37,11 @@ class StepCall:
 
     @classmethod
     def from_pb(cls, msg: pb.StepRequest, limits: Limits,
-                in_place: Mapping[str, memoryview] = NOT_IN_PLACE) -> "StepCall":
-        """``in_place``: tensor bytes read in place, by dotted name (``sample.logits``)."""
-        calls = {name: op.from_pb(getattr(msg, name), limits, path=f"{name}.", in_place=_within(in_place, name))
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE, regions=None) -> "StepCall":
+        """``in_place``: tensor bytes read in place, by dotted name (``sample.logits``);
+        ``regions``: the request's :class:`~..regions.CallRegions`, shared by its parts."""
+        calls = {name: op.from_pb(getattr(msg, name), limits, path=f"{name}.", in_place=_within(in_place, name),
+                                  regions=regions)
                  for name, op in STEP_OPS.items() if msg.HasField(name)}
         if not calls:
             raise ValueError(f"step: sets none of {', '.join(STEP_OPS)}")

@@ -1,0 +1,184 @@
+"""Calls whose tensors live in shared-memory regions: inputs read in place, outputs written into
+regions, and how a batch of such calls launches.
+
+An input is read in place (:func:`reads_in_place`) when it is a :class:`~..tensors.DeviceTensor`
+(the client's CUDA memory, on the server's device), or a system-region
+:class:`~..tensors.HostTensor` on the CPU device. Every other input is staged as on the byte
+path (server/staging.py): on CUDA, one host-to-device copy of the batch's host pieces.
+
+A batch takes the in-place path (:func:`launches_in_place`) when one of its calls reads an input
+in place or writes an output into device memory; it then launches eagerly on the launch thread
+(never from a CUDA graph, whose inputs and outputs are fixed buffers). A lone call launches on
+its inputs where they are, and writes its outputs straight into their regions where the op
+takes ``out=`` (softmax, causal softmax, SiLU, SwiGLU) and the region is on the device;
+otherwise with one copy (device to region). A batch of several such calls launches as
+:data:`REGION_BATCHING` says:
+
+- :data:`GATHER`: the rows of every call are gathered on the device into one input (region
+  pieces by device-to-device copies, host pieces staged in one transfer), one launch serves the
+  batch, and each call's outputs are copied into its regions (or brought to the host);
+- :data:`PER_CALL`: each call launches alone, on its inputs in place, as a lone call does (one
+  launch per call, no gather copy).
+
+``bench/region_batching.py`` times both on a GPU through a server process
+(``python -m logitserve.server.process --region-batching ...``, the in-process hook
+:attr:`..device.DeviceHandle.region_batching`); the faster one stays, the other goes.
+
+:class:`Outputs` is a call's ``output_regions``, resolved and leased at validation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from logitserve.v1 import logitserve_pb2 as pb
+
+from ..regions import CUDA, RegionLease, check_outputs
+from ..staging import Staging
+from ..tensors import PB_DTYPES, DeviceTensor
+
+GATHER = "gather"
+PER_CALL = "per-call"
+STRATEGIES = (GATHER, PER_CALL)
+# How a batch of several calls reading inputs in place launches (see above).
+REGION_BATCHING = GATHER
+
+
+def strategy(handle) -> str:
+    """The batching of in-place calls on ``handle``: its in-process hook, else :data:`REGION_BATCHING`."""
+    return getattr(handle, "region_batching", None) or REGION_BATCHING
+
+
+def reads_in_place(t, device: torch.device) -> bool:
+    """Whether the kernels read input ``t`` where it is (no staging copy) on ``device``."""
+    return type(t) is DeviceTensor or (device.type == "cpu" and t.in_region)
+
+
+def launches_in_place(calls: list, device: torch.device) -> bool:
+    """Whether a batch of ``calls`` takes the in-place path: an input read in place, or an
+    output in device memory."""
+    for c in calls:
+        if c.outputs is not None and c.outputs.on_device:
+            return True
+        if any(reads_in_place(t, device) for t in c.inputs):
+            return True
+    return False
+
+
+def launches_together(calls: list, handle) -> bool:
+    """Whether ``calls`` (several) share one launch: always on the byte path; on the in-place path
+    when :func:`strategy` is :data:`GATHER`."""
+    return strategy(handle) == GATHER or not launches_in_place(calls, handle.device)
+
+
+def device_inputs(handle, *groups: list) -> list[torch.Tensor]:
+    """Each group of pieces (HostTensor or DeviceTensor, one per call, same trailing shape)
+    stacked along dim 0 on the device, on the launch thread. A group of one piece read in place
+    is that piece itself; host pieces of every group go in one staged transfer; a group mixing
+    them is gathered with one device copy (``torch.cat``)."""
+    device = handle.device
+    stage = Staging()
+    hosts = []
+    for group in groups:
+        host = [p for p in group if not reads_in_place(p, device)]
+        hosts.append(host)
+        if host:
+            stage.add(host)
+    staged = iter(stage.to(device) if stage.layout else ())
+    out = []
+    for group, host in zip(groups, hosts):
+        part = next(staged) if host else None
+        if len(host) == len(group):
+            out.append(part)
+        elif len(group) == 1:
+            out.append(group[0].torch())
+        else:
+            pieces, row = [], 0
+            for p in group:
+                if reads_in_place(p, device):
+                    pieces.append(p.torch())
+                else:
+                    pieces.append(part[row:row + p.shape[0]])
+                    row += p.shape[0]
+            out.append(torch.cat(pieces))
+    return out
+
+
+@dataclass(eq=False, slots=True)
+class _Slot:
+    ref: pb.RegionRef
+    lease: RegionLease
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class Outputs:
+    """A call's ``output_regions``: each output it names, resolved for the caller at validation
+    into a writable lease of exactly the output's size (held by the call's
+    :class:`~..regions.CallRegions`)."""
+
+    __slots__ = ("slots",)
+
+    def __init__(self, slots: dict[str, _Slot]):
+        self.slots = slots
+
+    @classmethod
+    def of(cls, msg, rpc: str, regions, path: str, shapes: dict) -> "Outputs | None":
+        """The outputs ``msg.output_regions`` names (None when none): ``shapes`` gives each
+        output's ``(dtype, shape)``. ``ValueError`` / ``RegionNotFound`` naming the field."""
+        if not len(msg.output_regions):
+            return None
+        field = f"{path}output_regions"
+        check_outputs(msg.output_regions, rpc, field)
+        if regions is None:
+            raise ValueError(f"{field}: this call takes no shared-memory regions")
+        slots = {}
+        for name in sorted(msg.output_regions):
+            ref = msg.output_regions[name]
+            dtype, shape = shapes[name]
+            lease = regions.resolve(ref, dtype, shape, f"{field}[{name}]", writable=True)
+            kept = pb.RegionRef(region=ref.region, offset=ref.offset, byte_size=ref.byte_size)
+            slots[name] = _Slot(kept, lease, dtype, tuple(shape))
+        return cls(slots)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.slots
+
+    @property
+    def on_device(self) -> bool:
+        """Whether an output is in CUDA memory (written on the launch thread)."""
+        return any(s.lease.kind == CUDA for s in self.slots.values())
+
+    def direct(self, name: str, device: torch.device) -> torch.Tensor | None:
+        """Output ``name``'s region as a tensor a kernel can write (``out=``): when it is named and
+        on ``device``; else None."""
+        slot = self.slots.get(name)
+        if slot is None:
+            return None
+        target = slot.lease.tensor()
+        return target if target.device == device else None
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        """Write ``value`` (output ``name``, any device) into its region, unless a kernel wrote it
+        there already (``out=``). On the launch thread: on CUDA the copy is ordered on its stream."""
+        target = self.slots[name].lease.tensor()
+        if target.device == value.device and target.data_ptr() == value.data_ptr():
+            return
+        target.copy_(value.reshape(target.shape))
+
+    def write(self, name: str, data) -> None:
+        """Write host ``data`` (bytes, or an array of the output's dtype and size) into output
+        ``name``'s region, a system one (no torch call: for the event loop)."""
+        view = self.slots[name].lease.view
+        if isinstance(data, np.ndarray):
+            data = memoryview(np.ascontiguousarray(data)).cast("B")
+        view[:] = data
+
+    def message(self, name: str) -> pb.Tensor:
+        """The answer's Tensor for output ``name``: dtype, shape and region, no data."""
+        slot = self.slots[name]
+        return pb.Tensor(dtype=PB_DTYPES[slot.dtype], shape=list(slot.shape), region=slot.ref)
+

@@ -1,0 +1,65 @@
+"""Shared-memory regions: memory a client shares with the server, mapped once at registration.
+
+A region is a slice of a POSIX shared-memory object (system memory) or of a CUDA allocation
+opened from its IPC handle (device memory). Tensors of a call name a slice of a region
+(``logitserve.v1.RegionRef``) instead of carrying their bytes; :meth:`RegionRegistry.resolve`
+turns such a reference into a view of exactly that slice, checked, without copying:
+
+    registry = RegionRegistry(max_regions=256, max_mapped_bytes=16 << 30)
+    registry.register_system("logits", key="psm_1234", offset=0, byte_size=8 * 128256 * 4, owner=owner)
+    with registry.resolve(ref, torch.float32, (8, 128256), owner, "logits") as lease:
+        lease.view       # memoryview of the slice's bytes (system) or a torch tensor on the device (CUDA)
+        lease.tensor()   # a torch tensor of dtype and shape over the same memory, either kind
+
+The semantics are those of Triton Inference Server's shared-memory extension (its
+``SystemSharedMemory*`` / ``CudaSharedMemory*`` RPCs map onto :meth:`~RegionRegistry.register_system`,
+:meth:`~RegionRegistry.register_cuda`, :meth:`~RegionRegistry.status` and
+:meth:`~RegionRegistry.unregister` with a ``kind``): a name registered twice fails
+(:class:`RegionExists`), status and unregister of an empty name cover all of the caller's
+regions, status of an unknown name fails (:class:`RegionNotFound`), unregistering an unknown name
+unregisters nothing.
+
+**Owners.** Every region belongs to an owner, :func:`owner_of` the caller's ``authorization``
+metadata (None without a token). An owner sees, resolves and unregisters only its own regions;
+two owners may use the same name. Limits (:class:`~.errors.TooLarge`) count every owner's.
+
+**Leases.** :meth:`~RegionRegistry.resolve` returns a :class:`RegionLease`; a region unregistered
+while leased leaves the table at once (its name is free) and stays mapped until its last lease is
+released. Whoever launches work on a lease's view releases the lease only once that work is
+complete (for CUDA, after the stream synchronization that precedes the answer), and keeps no view
+of it afterwards: the memory may be unmapped then.
+
+**Safety.** A key is a plain name in the shared-memory namespace (``/dev/shm`` on Linux, where
+``shm_open`` keeps its objects), opened with ``O_NOFOLLOW | O_NONBLOCK`` and refused unless a
+regular file: nothing outside that namespace is ever opened. The server maps objects itself
+(``os.open`` + ``mmap``), never through ``multiprocessing.shared_memory``, whose resource tracker
+would unlink a client's object when the server's process ends. A client that shrinks an object
+after registering it would make reads past its new end fault (SIGBUS); :meth:`resolve` checks the
+object's size on every call so a shrunk object is refused instead, short of a shrink racing a
+launch.
+
+**Threads.** Every method may be called from the event loop and from a launch thread; a lock
+guards the table, leases and counters. Opening a CUDA handle happens outside the lock.
+
+Errors: :class:`RegionNotFound` (NOT_FOUND), :class:`RegionExists` (ALREADY_EXISTS), ``ValueError``
+(INVALID_ARGUMENT; the message names the field and the rule), :class:`~.errors.TooLarge`
+(RESOURCE_EXHAUSTED).
+
+Modules, one concept each: names (names, keys, owners, the request messages' region fields),
+region (a mapped region, its status, a lease), system (mapping a POSIX shared-memory object),
+cuda (opening a CUDA IPC handle), registry (the table, limits, resolving), calls (the leases
+of one RPC on the request path).
+"""
+
+from .calls import CallRegions
+from .names import (CUDA, CUDA_IPC_HANDLE_BYTES, DEFAULT_MAX_MAPPED_BYTES, DEFAULT_MAX_REGIONS, KEY_RULE, KINDS,
+                    NAME_RULE, OUTPUTS, SHM_DIR, SYSTEM, RegionExists, RegionNotFound, check_key, check_name,
+                    check_outputs, owner_of, region_of)
+from .region import RegionInfo, RegionLease
+from .registry import RegionRegistry
+
+__all__ = [
+    "CUDA", "CUDA_IPC_HANDLE_BYTES", "DEFAULT_MAX_MAPPED_BYTES", "DEFAULT_MAX_REGIONS", "KEY_RULE", "KINDS",
+    "NAME_RULE", "OUTPUTS", "SHM_DIR", "SYSTEM", "CallRegions", "RegionExists", "RegionInfo", "RegionLease",
+    "RegionNotFound", "RegionRegistry", "check_key", "check_name", "check_outputs", "owner_of", "region_of",
+]

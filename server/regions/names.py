@@ -1,0 +1,104 @@
+"""Region names, shared-memory keys, owners, and the request messages' region fields: the
+checks made before anything is opened or mapped."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+SYSTEM = "system"
+CUDA = "cuda"
+KINDS = (SYSTEM, CUDA)
+
+DEFAULT_MAX_REGIONS = 256
+DEFAULT_MAX_MAPPED_BYTES = 16 << 30
+SHM_DIR = "/dev/shm"
+CUDA_IPC_HANDLE_BYTES = 64
+
+# A region's name: what a RegionRef names, also in messages and logs.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+NAME_RULE = "1 to 128 of A-Z a-z 0-9 . _ : -, starting with a letter or digit"
+# A shared-memory object's name as shm_open takes it, without its optional leading '/'.
+_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
+KEY_RULE = "1 to 255 of A-Z a-z 0-9 . _ -, not starting with '.', after at most one leading '/'"
+
+
+# The outputs each operator can write into regions (its request's output_regions keys): the
+# fields of its answer.
+OUTPUTS = {
+    "Sample": ("token_ids", "seeds", "valid"),
+    "RouteExperts": ("weights", "indices"),
+    "Softmax": ("out",),
+    "CausalSoftmax": ("out",),
+    "Silu": ("out",),
+}
+
+
+class RegionNotFound(Exception):
+    """No region of that name visible to the caller: NOT_FOUND."""
+
+
+class RegionExists(Exception):
+    """A region of that name is already registered by the caller: ALREADY_EXISTS."""
+
+
+def owner_of(authorization: str | None) -> str | None:
+    """The owner of a caller's regions, from its ``authorization`` metadata value (``Bearer
+    <token>``): a digest of the token, so the token itself is never kept; None without one."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else authorization.strip()
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest() if token else None
+
+
+def shown(text: str, limit: int = 64) -> str:
+    """``repr(text)``, cut short: a hostile name can be long."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def check_name(name: str, field: str = "name") -> str:
+    """``name`` when it is a valid region name, else ``ValueError``."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"{field}: {shown(str(name))} is not a valid region name ({NAME_RULE})")
+    return name
+
+
+def check_key(key: str, field: str = "key") -> str:
+    """The shared-memory object's plain name for ``key`` (its leading '/' dropped), else
+    ``ValueError``: never a path, never '.' or '..'."""
+    plain = key[1:] if isinstance(key, str) and key.startswith("/") else key
+    if not isinstance(plain, str) or not _KEY.fullmatch(plain):
+        raise ValueError(f"{field}: {shown(str(key))} is not a plain shared-memory name ({KEY_RULE})")
+    return plain
+
+
+def region_of(tensor, field: str, data_bytes: int | None = None):
+    """The ``RegionRef`` of a ``logitserve.v1.Tensor`` whose elements live in a region, or None
+    for one that carries them in ``data``; ``ValueError`` when it has both. ``data_bytes``: the
+    length of its data when read apart from the message (server/wire.py), else ``len(tensor.data)``."""
+    if not tensor.HasField("region"):
+        return None
+    if (len(tensor.data) if data_bytes is None else data_bytes):
+        raise ValueError(f"{field}: both data and region are set; exactly one holds the elements")
+    return tensor.region
+
+
+def check_outputs(output_regions, rpc: str, field: str = "output_regions") -> None:
+    """``ValueError`` unless every key of a request's ``output_regions`` is an output of ``rpc``
+    (:data:`OUTPUTS`) and every reference names a region."""
+    known = OUTPUTS[rpc]
+    for name, ref in output_regions.items():
+        if name not in known:
+            raise ValueError(f"{field}: {shown(name)} is not an output of {rpc} ({', '.join(known)})")
+        if not ref.region:
+            raise ValueError(f"{field}[{name}].region: required")
+
+
+def kinds_of(kind: str | None) -> tuple[str, ...]:
+    if kind is None or kind == "":
+        return KINDS
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r} is not one of {', '.join(KINDS)}")
+    return (kind,)
+

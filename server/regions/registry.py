@@ -1,0 +1,253 @@
+"""The registry of every owner's regions: register, status, unregister, and resolving a
+reference into a lease on a checked view (see the package's docstring)."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import threading
+from typing import Iterable, Sequence
+
+from ..errors import TooLarge
+from .cuda import open_cuda
+from .names import (CUDA_IPC_HANDLE_BYTES, DEFAULT_MAX_MAPPED_BYTES, DEFAULT_MAX_REGIONS, SHM_DIR, SYSTEM,
+                    RegionExists, RegionNotFound, kinds_of, shown, check_key, check_name)
+from .region import Region, RegionInfo, RegionLease
+from .system import map_system
+
+
+class RegionRegistry:
+    """The regions of every owner; see the module's docstring.
+
+    ``max_regions`` bounds the regions mapped (registered or unregistered while leased) and
+    ``max_mapped_bytes`` their bytes (system: the length mapped; CUDA: offset + byte_size);
+    registering past either raises :class:`~.errors.TooLarge`. ``devices``, when given, are the
+    CUDA device indices a CUDA region may be on (the server's device); ``shm_dir`` is where the
+    system's POSIX shared-memory objects are.
+    """
+
+    def __init__(self, max_regions: int = DEFAULT_MAX_REGIONS, max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES,
+                 *, devices: Iterable[int] | None = None, shm_dir: str = SHM_DIR):
+        if max_regions < 0 or max_mapped_bytes < 0:
+            raise ValueError("max_regions and max_mapped_bytes must be >= 0")
+        self.max_regions = max_regions
+        self.max_mapped_bytes = max_mapped_bytes
+        self.devices = None if devices is None else frozenset(devices)
+        self.shm_dir = shm_dir
+        self._lock = threading.Lock()
+        self._regions: dict[tuple[object, str], Region] = {}  # (owner, name) -> registered region
+        self._reserved: set[tuple[object, str]] = set()  # names being registered (CUDA opens unlocked)
+        self._mapped_count = 0  # regions mapped or being mapped, registered or not
+        self._mapped_bytes = 0
+
+    # ------------------------------------------------------------------------------ counters
+
+    @property
+    def mapped_count(self) -> int:
+        """Regions mapped now (registered, or unregistered and still leased)."""
+        return self._mapped_count
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self._mapped_bytes
+
+    # ---------------------------------------------------------------------------- registering
+
+    def _reserve(self, owner, name: str, nbytes: int) -> None:
+        """Hold ``name`` and room for a region of ``nbytes`` (under the lock), or raise."""
+        key = (owner, name)
+        if key in self._regions or key in self._reserved:
+            raise RegionExists(f"name: a region {name!r} is already registered; unregister it first")
+        if self._mapped_count + 1 > self.max_regions:
+            raise TooLarge(f"name: registering {name!r} would map {self._mapped_count + 1} regions, over the "
+                           f"server's limit of {self.max_regions}; unregister some first")
+        if self._mapped_bytes + nbytes > self.max_mapped_bytes:
+            raise TooLarge(f"byte_size: registering {name!r} would map {self._mapped_bytes + nbytes} bytes, over "
+                           f"the server's limit of {self.max_mapped_bytes} ({self._mapped_bytes} mapped now)")
+        self._reserved.add(key)
+        self._mapped_count += 1
+        self._mapped_bytes += nbytes
+
+    def _unreserve(self, owner, name: str, nbytes: int) -> None:
+        self._reserved.discard((owner, name))
+        self._mapped_count -= 1
+        self._mapped_bytes -= nbytes
+
+    def _commit(self, region: Region, reserved_bytes: int) -> RegionInfo:
+        with self._lock:
+            self._reserved.discard((region.owner, region.name))
+            self._mapped_bytes += region.mapped_bytes - reserved_bytes
+            self._regions[(region.owner, region.name)] = region
+            return region.info()
+
+    @staticmethod
+    def _check_range(offset: int, byte_size: int) -> None:
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset: must be an integer >= 0, got {offset!r}")
+        if not isinstance(byte_size, int) or byte_size <= 0:
+            raise ValueError(f"byte_size: must be an integer > 0, got {byte_size!r}")
+
+    def register_system(self, name: str, key: str, offset: int, byte_size: int, owner=None) -> RegionInfo:
+        """Map ``[offset, offset + byte_size)`` of the POSIX shared-memory object ``key`` (its
+        ``shm_open`` name, with or without the leading '/') as region ``name`` of ``owner``.
+
+        Opened read-write, or read-only when the object allows no more (such a region is refused
+        as an output). Raises ``ValueError`` (bad name, key, range; no such object; not a regular
+        object; past its end), :class:`RegionExists`, :class:`~.errors.TooLarge`.
+        """
+        check_name(name)
+        plain = check_key(key)
+        self._check_range(offset, byte_size)
+        page_start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        length = offset + byte_size - page_start
+        with self._lock:
+            self._reserve(owner, name, length)
+            try:
+                region = map_system(self.shm_dir, name, owner, plain, offset, byte_size, page_start, length)
+            except BaseException:
+                self._unreserve(owner, name, length)
+                raise
+            self._reserved.discard((owner, name))
+            self._regions[(owner, name)] = region
+            return region.info()
+
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner=None,
+                      offset: int = 0) -> RegionInfo:
+        """Open the CUDA allocation whose IPC handle is ``raw_handle`` (the 64 bytes of a
+        ``cudaIpcMemHandle_t``, naming the allocation from its base) on device ``device_id``, and
+        make ``[offset, offset + byte_size)`` of it region ``name`` of ``owner``.
+
+        Needs torch with CUDA and cuda-python (``cuda.bindings``, imported here, not before).
+        Raises ``ValueError`` (bad name or range; no CUDA or cuda-python; a device not the
+        server's; a handle that does not open, with the CUDA error; an allocation on another
+        device or shorter than offset + byte_size), :class:`RegionExists`,
+        :class:`~.errors.TooLarge`.
+        """
+        check_name(name)
+        self._check_range(offset, byte_size)
+        if not isinstance(device_id, int) or device_id < 0:
+            raise ValueError(f"device_id: must be an integer >= 0, got {device_id!r}")
+        if self.devices is not None and device_id not in self.devices:
+            raise ValueError(f"device_id: {device_id} is not a device of this server "
+                             f"({', '.join(map(str, sorted(self.devices))) or 'none'})")
+        raw_handle = bytes(raw_handle)
+        if len(raw_handle) != CUDA_IPC_HANDLE_BYTES:
+            raise ValueError(f"raw_handle: {len(raw_handle)} bytes, but a cudaIpcMemHandle_t has "
+                             f"{CUDA_IPC_HANDLE_BYTES}")
+        nbytes = offset + byte_size
+        with self._lock:
+            self._reserve(owner, name, nbytes)
+        try:
+            region = open_cuda(name, owner, raw_handle, device_id, offset, byte_size)
+        except BaseException:
+            with self._lock:
+                self._unreserve(owner, name, nbytes)
+            raise
+        return self._commit(region, nbytes)
+
+    # -------------------------------------------------------------------- status, unregister
+
+    def status(self, name: str = "", owner=None, kind: str | None = None) -> list[RegionInfo]:
+        """The regions of ``owner`` (of ``kind``, when given), sorted by name; ``name`` not empty:
+        that one, or :class:`RegionNotFound`."""
+        kinds = kinds_of(kind)
+        with self._lock:
+            if name:
+                region = self._regions.get((owner, name))
+                if region is None or region.kind not in kinds:
+                    what = f"{kind} region" if kind else "region"
+                    raise RegionNotFound(f"name: no {what} {shown(name)} registered")
+                return [region.info()]
+            return sorted((r.info() for (o, _), r in self._regions.items() if o == owner and r.kind in kinds),
+                          key=lambda info: info.name)
+
+    def unregister(self, name: str = "", owner=None, kind: str | None = None) -> list[str]:
+        """Forget region ``name`` of ``owner`` (every region of ``owner`` when ``name`` is empty;
+        only those of ``kind`` when given); returns the names forgotten, sorted (none for a name
+        not registered). A leased region stays mapped until its last lease is released."""
+        kinds = kinds_of(kind)
+        with self._lock:
+            if name:
+                region = self._regions.get((owner, name))
+                chosen = [region] if region is not None and region.kind in kinds else []
+            else:
+                chosen = [r for (o, _), r in self._regions.items() if o == owner and r.kind in kinds]
+            for region in chosen:
+                del self._regions[(owner, region.name)]
+                region.registered = False
+            closing = [r for r in chosen if r.leases == 0]
+            self._forget(closing)
+        for region in closing:
+            region.close()
+        return sorted(r.name for r in chosen)
+
+    def close(self) -> None:
+        """Unregister every owner's regions (leased ones stay mapped until released)."""
+        for owner in {o for o, _ in list(self._regions)}:
+            self.unregister("", owner)
+
+    def _forget(self, regions: Sequence[Region]) -> None:
+        """Take ``regions`` off the counters (under the lock), before closing them."""
+        for region in regions:
+            self._mapped_count -= 1
+            self._mapped_bytes -= region.mapped_bytes
+
+    # ---------------------------------------------------------------------------- resolving
+
+    def resolve(self, ref, dtype, shape: Sequence[int], owner=None, field: str = "tensor", *,
+                writable: bool = False, exact: bool = True) -> RegionLease:
+        """A lease on the slice ``ref`` (a ``logitserve.v1.RegionRef``, or anything with
+        ``region``, ``offset`` and ``byte_size``) of one of ``owner``'s regions, holding a tensor
+        of torch ``dtype`` and ``shape``; ``field`` names the tensor in messages (``logits``,
+        ``output_regions[token_ids]``). ``writable``: the slice will be written (an output).
+        ``exact``: byte_size must be the tensor's size; False: at least it (Triton's rule for
+        outputs), the view covering the tensor's bytes from offset.
+
+        Raises :class:`RegionNotFound` (no such region of ``owner``) or ``ValueError`` naming
+        ``field`` and the rule (range past the region's end, misaligned for ``dtype``, byte_size
+        not the tensor's, a read-only region written, a system object shrunk since).
+        """
+        name, offset, byte_size = ref.region, int(ref.offset), int(ref.byte_size)
+        itemsize = dtype.itemsize
+        count = math.prod(shape)
+        need = count * itemsize
+        if byte_size != need and (exact or byte_size < need):
+            rule = "" if exact else "at least "
+            raise ValueError(f"{field}.region.byte_size: {byte_size}, but shape {list(shape)} of "
+                             f"{str(dtype).removeprefix('torch.')} needs {rule}{need} bytes")
+        with self._lock:
+            region = self._regions.get((owner, name))
+            if region is None:
+                raise RegionNotFound(f"{field}.region: no region {shown(name)} registered (by this caller)")
+            if offset + byte_size > region.byte_size:
+                raise ValueError(f"{field}.region: offset {offset} + byte_size {byte_size} = {offset + byte_size}, "
+                                 f"past the end of region {name!r} ({region.byte_size} bytes)")
+            if (region.offset + offset) % itemsize:
+                where = f" (+ the region's own offset {region.offset})" if region.offset else ""
+                raise ValueError(f"{field}.region.offset: {offset}{where} is not a multiple of the itemsize "
+                                 f"{itemsize} of {str(dtype).removeprefix('torch.')}")
+            if writable and not region.writable:
+                raise ValueError(f"{field}.region: region {name!r} is read-only to the server (its object "
+                                 f"{region.key!r} could not be opened for writing)")
+            if region.kind == SYSTEM:
+                size = os.fstat(region.fd).st_size
+                if size < region.object_end:
+                    raise ValueError(f"{field}.region: the shared-memory object {region.key!r} of region {name!r} "
+                                     f"shrank to {size} bytes since it was registered "
+                                     f"({region.object_end} needed); unregister it")
+                view = region.buf[offset:offset + need]
+            else:
+                start = region.offset + offset
+                view = region.device_bytes[start:start + need].view(dtype).view(tuple(shape))
+            region.leases += 1
+        return RegionLease(self, region, view, dtype, tuple(shape))
+
+    def _release(self, region: Region) -> None:
+        with self._lock:
+            region.leases -= 1
+            closing = not region.registered and region.leases == 0
+            if closing:
+                self._forget((region,))
+        if closing:
+            region.close()
