@@ -97,6 +97,7 @@ def serialize(message, data: Mapping[Path, object]) -> bytes:
     path (whose own ``data`` is empty and whose ``region`` is unset): what protobuf would write
     for the message with those fields filled in, the buffers copied once, into the result.
     ``data`` values are bytes-like (memoryviews of arrays)."""
+    data = {path: buf for path, buf in data.items() if memoryview(buf).nbytes}  # proto3 writes no empty bytes
     head = message.SerializeToString(deterministic=True)
     if not data:
         return head
