@@ -159,6 +159,11 @@ def test_sample_in_regions_equals_the_byte_path(alice, arenas):
     partly = alice.Sample(pb.SampleRequest(logits=inn.put(logits), seed=5, output_regions={"valid": refs["valid"]}))
     assert value(partly.token_ids).shape == (4,) and value(partly.seeds).tolist() == [5] * 4
     assert in_region(partly.valid, refs["valid"], out).all()
+    # Logits as bytes, outputs into regions (written from the host after the launch).
+    mixed = alice.Sample(pb.SampleRequest(logits=data(logits), temperature_rows=data(temps), top_k_rows=data(top_k),
+                                          seed_rows=data(seeds), top_p=0.9, step=3, output_regions=refs))
+    np.testing.assert_array_equal(in_region(mixed.token_ids, refs["token_ids"], out), value(by_bytes.token_ids))
+    np.testing.assert_array_equal(in_region(mixed.seeds, refs["seeds"], out), seeds)
     assert alice.in_use() == {"in": 0, "out": 0}
 
 
@@ -171,6 +176,11 @@ def test_route_experts_in_regions_equals_the_byte_path(alice, arenas):
                                                        output_regions=refs))
     np.testing.assert_array_equal(in_region(answer.weights, refs["weights"], out), value(by_bytes.weights))
     np.testing.assert_array_equal(in_region(answer.indices, refs["indices"], out), value(by_bytes.indices))
+    out.bytes[refs["weights"].offset:refs["weights"].offset + 72] = 0
+    mixed = alice.RouteExperts(pb.RouteExpertsRequest(gate_logits=data(gate), k=3, renormalize=True,
+                                                      output_regions={"weights": refs["weights"]}))
+    np.testing.assert_array_equal(in_region(mixed.weights, refs["weights"], out), value(by_bytes.weights))
+    np.testing.assert_array_equal(value(mixed.indices), value(by_bytes.indices))
 
 
 @pytest.mark.parametrize("rpc", ["Softmax", "Softmax dim 0", "CausalSoftmax", "Silu", "SwiGLU", "SwiGLU broadcast"])
