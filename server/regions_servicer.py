@@ -26,8 +26,8 @@ from .regions import CUDA, SYSTEM, RegionExists, RegionInfo, RegionNotFound, Reg
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SharedMemory"].full_name
 
-# The statuses of the registry's exceptions (for guard.py's table too: RegionNotFound and
-# RegionExists are new there; ValueError and TooLarge it maps already).
+# The statuses of the registry's exceptions (guard.py's table maps them alike, for the
+# LogitServe calls that name regions).
 REGION_STATUS = (
     (RegionNotFound, grpc.StatusCode.NOT_FOUND),
     (RegionExists, grpc.StatusCode.ALREADY_EXISTS),

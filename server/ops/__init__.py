@@ -13,7 +13,8 @@ Protobuf stops here: the kernels only see torch tensors.
 Modules, one concept each: limits (request size limits), sample, route_experts, tensor_ops
 (softmax, causal softmax, SiLU / SwiGLU), step (several ops in one request), warmup (the
 calls that compile every kernel before SERVING), info (GetServerInfo), batching (what the
-launches share).
+launches share), resident (calls whose tensors live in shared-memory regions: inputs read in
+place, outputs written there, how batches of them launch).
 """
 
 from .info import ServerInfo

@@ -1,13 +1,11 @@
-"""What every op's batched launch shares: its calls' host tensors moved to the device in one
-transfer, and its outputs split back into one piece per call."""
+"""What every op's batched launch shares: its outputs split back into one piece per call. (Its
+inputs reach the device through server/staging.py, or server/ops/resident.py where some are read
+in place.)"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-
-from ..staging import Staging
-from ..tensors import HostTensor
 
 
 def split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -18,11 +16,3 @@ def split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 def split_rows(a: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     """``a`` split along dim 0 into pieces of ``sizes`` rows."""
     return np.split(a, np.cumsum(sizes[:-1])) if len(sizes) > 1 else [a]
-
-
-def to_device(handle, *groups: list[HostTensor]) -> list[torch.Tensor]:
-    """Each group of host tensors (one per call) stacked along dim 0; all moved in one transfer."""
-    stage = Staging()
-    for group in groups:
-        stage.add(group)
-    return stage.to(handle.device)
