@@ -45,11 +45,11 @@ class Caller:
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.LogitServeStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
-        self.client = Client(target, token=token, timeout=60)
+        self.client = Client(target, token=token, timeout=300)
 
     def __getattr__(self, rpc: str):
         method = getattr(self.stub, rpc)
-        return lambda request, **kw: method(request, metadata=self.metadata, timeout=kw.pop("timeout", 60), **kw)
+        return lambda request, **kw: method(request, metadata=self.metadata, timeout=kw.pop("timeout", 300), **kw)
 
     def in_use(self) -> dict[str, int]:
         return {s.name: s.in_use for s in self.client.shared_memory_status()}
