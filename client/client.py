@@ -22,7 +22,7 @@ import grpc
 
 from logitserve.v1 import logitserve_pb2 as pb
 
-from . import codec, messages, regions
+from . import codec, messages, regions, wire
 from .errors import LogitServeError
 from .messages import SampleResult, ServerInfo, StepResult
 
@@ -108,6 +108,7 @@ class _Methods:
         self.unregister_on_close = unregister_on_close
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._regions = regions.RegionTable()
+        self._recycler = wire.Recycler()
 
     def _bind(self, channel) -> None:
         """The channel's raw-bytes methods, one per RPC."""
@@ -143,7 +144,9 @@ class _Methods:
         """Synchronize what the request names on CUDA, serialize it (tensor bytes copied once)
         and call ``rpc``; the answer is read by ``read`` with the request's ``out=`` outputs."""
         _synchronize(enc.cuda_devices, stream)
-        return self._call(rpc, enc.serialize(msg), timeout, messages.reader(response_type, read, enc.outputs))
+        payload = enc.serialize(msg, self._recycler)
+        self._recycler.give_back(payload)  # reused only once nothing references it (after this call)
+        return self._call(rpc, payload, timeout, messages.reader(response_type, read, enc.outputs))
 
     def _simple(self, rpc: str, msg, response_type, convert, timeout, after=None):
         return self._call(rpc, msg.SerializeToString(), timeout, _parse_as(response_type, convert, after))

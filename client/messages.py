@@ -141,9 +141,9 @@ class Encoder:
             msg.output_regions[name].CopyFrom(where.ref())
             self.outputs[(*path, name)] = obj
 
-    def serialize(self, msg) -> bytes:
+    def serialize(self, msg, recycler: wire.Recycler | None = None) -> bytes:
         """The request's bytes, each tensor's bytes copied once (:func:`.wire.serialize`)."""
-        return wire.serialize(msg, self.data)
+        return wire.serialize(msg, self.data, recycler)
 
     def full(self, msg):
         """``msg`` with every held tensor's bytes put into its ``data`` (a complete message)."""

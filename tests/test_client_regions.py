@@ -140,6 +140,32 @@ def test_a_stream_step_request_given_as_a_message_is_serialized_by_protobuf():
     assert raw == step.SerializeToString()
 
 
+def test_a_large_request_reuses_a_buffer_nothing_references_any_more():
+    recycler = wire.Recycler()
+    x = np.random.default_rng(0).standard_normal((16, 128256)).astype(np.float32)  # 8 MB: recycled
+
+    def serialize(scale):
+        enc, msg = _build(messages.build_sample, dict(logits=x * scale, temperature=0.5))
+        return enc.serialize(msg, recycler), enc.full(msg).SerializeToString()
+
+    first, expect = serialize(1)
+    recycler.give_back(first)
+    address = id(first)
+    del first
+    second, expect2 = serialize(2)
+    assert id(second) == address and second == expect2 and expect2 != expect  # written anew, protobuf's bytes
+    recycler.give_back(second)
+    held = second  # still referenced (as gRPC would while sending): never overwritten
+    third, expect3 = serialize(3)
+    assert third is not held and third == expect3 and held == expect2
+    recycler.give_back(third)
+    other, expect4 = _build(messages.build_sample, dict(logits=x[:8], temperature=0.5))
+    assert other.serialize(expect4, recycler) == other.full(expect4).SerializeToString()  # under the threshold: joined
+    small = _build(messages.build_softmax, dict(x=np.ones(4, np.float32)))
+    recycler.give_back(small[0].serialize(small[1]))
+    assert recycler._spare is not None and len(recycler._spare) > 1 << 20  # small requests are not kept
+
+
 def _answers():
     t = lambda a: codec.encode(a)  # noqa: E731
     b = np.arange(3, dtype=np.int64)
