@@ -6,9 +6,13 @@
         result.token_ids, result.seeds, result.valid
 
 ``AsyncClient`` takes the same arguments for asyncio. Shared-memory regions (tensors that cross
-without being copied into messages): ``client.register_system`` / ``register_cuda`` /
-``shared_memory_status`` / ``unregister``, with the helpers of :mod:`logitserve.client.regions`
-(``shared_array``, ``shared_tensor``, ``cuda_ipc_handle``). Failed calls raise
+without being copied into messages): ``client.register`` / ``register_system`` / ``register_cuda``
+/ ``shared_memory_status`` / ``unregister``, with the helpers of :mod:`logitserve.client.regions`
+(``shared_array``, ``shared_tensor``, ``shared_copy``, ``cuda_ipc_handle``); a tensor inside a
+region registered through the client is then sent by reference, every call takes ``out=``
+(outputs written in place) and ``stream=`` (the CUDA stream synchronized first), and the regions
+are unregistered when the client closes. Other tensors go as bytes copied once into the request
+(:mod:`logitserve.client.wire`). Failed calls raise
 :class:`LogitServeError` (``.code``, a ``grpc.StatusCode``, and ``.details``). Needs grpcio,
 protobuf and numpy; torch is optional (torch tensors are accepted when it is installed, and
 :func:`~logitserve.client.codec.decode_torch` keeps bfloat16 results as bfloat16).

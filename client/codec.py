@@ -1,7 +1,9 @@
 """numpy / torch arrays <-> ``logitserve.v1.Tensor`` messages.
 
 A Tensor message is ``{dtype, shape, data}`` with ``data`` the little-endian, C-order bytes of
-the elements. :func:`encode` takes a numpy array (or anything ``numpy.asarray`` takes) or a torch
+the elements. :func:`tensor_parts` gives a tensor's dtype, shape and a byte view of its
+elements without copying them where they already are in that layout (what the client frames
+into a request, :mod:`.wire`); :func:`encode` takes a numpy array (or anything ``numpy.asarray`` takes) or a torch
 tensor (any device, any strides, bfloat16 included); :func:`decode` returns a numpy array.
 numpy has no bfloat16, so :func:`decode` widens bfloat16 to float32 (exactly: every bfloat16 is a
 float32); :func:`decode_torch` keeps it. torch is optional: it is only imported to decode into
