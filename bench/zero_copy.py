@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import shlex
 import signal
 import statistics

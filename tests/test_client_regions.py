@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from concurrent import futures
 
 import grpc
