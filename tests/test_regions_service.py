@@ -166,7 +166,8 @@ CUDA_CLIENT_SCRIPT = textwrap.dedent("""
     part.copy_(torch.arange(42, dtype=torch.float32).view(6, 7) * 0.5 - 3)
     torch.cuda.synchronize()
     handle = cuda_ipc_handle(part)
-    with Client(sys.argv[1], token="alice", timeout=60) as client:
+    # The region must outlive this client (the test reads it through the server afterwards).
+    with Client(sys.argv[1], token="alice", timeout=60, unregister_on_close=False) as client:
         client.register_cuda("dev", part)
     print(handle.offset, handle.byte_size, flush=True)
     sys.stdin.readline()
