@@ -21,6 +21,8 @@ The torch backend runs the reference (``reference/sample.py``) a few rows at a t
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 
@@ -212,15 +214,17 @@ class SamplePlan:
     def _workspace(self, device: torch.device) -> tuple[torch.Tensor, int]:
         """A zero-filled workspace and the row count its layout is computed for.
 
-        On CUDA one buffer per (device, stream) serves every call (the kernels leave its counters
-        at zero; calls on one stream are ordered), which saves a fill launch per call. Its layout is computed for its row capacity, so the
-        merge tickets at its start never overlap another array whatever the batch. While a CUDA
-        graph is captured, and on the CPU, each call gets its own.
+        On CUDA one buffer per (device, stream, host thread) serves every call (the kernels leave
+        its counters at zero), which saves a fill launch per call. The thread is part of the key
+        because a call is several launches: two threads sampling on one stream interleave their
+        launches, and a shared buffer would mix their rows. Its layout is computed for its row
+        capacity, so the merge tickets at its start never overlap another array whatever the
+        batch. While a CUDA graph is captured, and on the CPU, each call gets its own.
         """
         if self.backend != "triton" or torch.cuda.is_current_stream_capturing():
             size = workspace_size(self.n_rows, self.n_chunks, self.groups, self.is_f64)
             return torch.zeros(size, dtype=torch.uint8, device=device), self.n_rows
-        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), threading.get_ident())
         entry = _WORKSPACES.get(key)
         rows = max(self.n_rows, entry[1] if entry else 0)
         size = workspace_size(rows, self.n_chunks, self.groups, self.is_f64)
@@ -273,5 +277,5 @@ def _as_int64(value: int) -> int:
 
 
 _cached_plan = plan_cache(SamplePlan)
-# (device index, stream) -> (zero-filled workspace, the row capacity its layout is computed for)
+# (device index, stream, thread) -> (zero-filled workspace, the row capacity its layout is computed for)
 _WORKSPACES: dict = {}
