@@ -16,6 +16,14 @@ are unregistered when the client closes. Other tensors go as bytes copied once i
 :class:`LogitServeError` (``.code``, a ``grpc.StatusCode``, and ``.details``). Needs grpcio,
 protobuf and numpy; torch is optional (torch tensors are accepted when it is installed, and
 :func:`~logitserve.client.codec.decode_torch` keeps bfloat16 results as bfloat16).
+
+Modules, from the top: :mod:`.client` (``Client``, ``AsyncClient``: the operator methods and
+the calls), :mod:`.region_methods` (the SharedMemory service's methods, a mixin of both
+clients), :mod:`.transport` (channel, method paths, timeout, backoff, CUDA synchronization),
+:mod:`.messages` (requests built from tensors, answers read), :mod:`.region_table` (the regions
+a client registered, found by address), :mod:`.regions` (shared memory to register and the
+SharedMemory messages), :mod:`.wire` (serialization with tensor bytes copied once, answers read
+in place), :mod:`.codec` (tensors to and from Tensor messages), :mod:`.errors`.
 """
 
 from .client import AsyncClient, Client

@@ -23,7 +23,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 from . import codec, wire
 from .codec import decode, dtype_name, is_torch
 from .errors import LogitServeError
-from .regions import RegionTable
+from .region_table import RegionTable
 
 FILTER_ORDERS = {"top_k_first": pb.FILTER_ORDER_TOP_K_FIRST, "joint": pb.FILTER_ORDER_JOINT}
 STEP_OPS = ("sample", "route_experts", "softmax", "causal_softmax", "silu", "swiglu")
