@@ -115,7 +115,8 @@ class _Methods(RegionMethods):
     # call returns.
 
     def sample(self, logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0,
-               filter_order="top_k_first", random_val=None, out=None, stream=None, timeout=CLIENT_TIMEOUT) -> SampleResult:
+               filter_order="top_k_first", random_val=None, out=None, stream=None,
+               timeout=CLIENT_TIMEOUT) -> SampleResult:
         """Next token of every row of ``logits`` ``(batch_size, vocab_size)``.
 
         Each parameter is a scalar or one value per row (array or tensor of length B), with the
