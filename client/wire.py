@@ -7,7 +7,7 @@ every tensor's ``data`` empty (a few dozen bytes), serialized by protobuf, and t
 are framed here (tag, varint length, the raw buffer) and joined with it in one
 ``bytes.join``, the lengths of the messages around each tensor written anew. The result is
 byte for byte what protobuf writes for the message with its data filled in
-(``SerializeToString(deterministic=True)``; tests/test_client_regions.py checks every RPC and
+(``SerializeToString(deterministic=True)``; tests/test_client_bytes.py checks every RPC and
 dtype), so the server cannot tell the difference. The client then hands gRPC these bytes
 (its methods take and return raw bytes: no serializer of their own).
 
