@@ -7,6 +7,7 @@ ln -sfn "$PWD/kernels" "$site/logitserve/kernels"
 ln -sfn "$PWD/server" "$site/logitserve/server"
 ln -sfn "$PWD/client" "$site/logitserve/client"
 ln -sfn "$PWD/protos/logitserve/v1" "$site/logitserve/v1"
+ln -sfn "$PWD/protos/logitserve/kserve" "$site/logitserve/kserve"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site/deps" .whl/*.whl || return 1
 fi

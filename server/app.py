@@ -1,5 +1,5 @@
-"""Wiring: the grpc.aio server with LogitServe, SharedMemory, health, reflection (each handler
-guarded), TLS, metrics.
+"""Wiring: the grpc.aio server with LogitServe, SharedMemory, the KServe v2 inference service
+(server/kserve/), health, reflection (each handler guarded), TLS, metrics.
 
 ``create_server(config) -> (service, port)`` builds and binds everything (port 0 picks a free
 port, as tests do); then ``await service.start()`` accepts calls with health NOT_SERVING,
@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
-from . import ops, regions_servicer
+from . import kserve, ops, regions_servicer
 from .auth import TokenStore
 from .batcher import Batcher
 from .busy_poll import BusyPollEventLoop
@@ -93,14 +93,15 @@ class Service:
             ("grpc.max_metadata_size", METADATA_LIMIT_BYTES),
             ("grpc.absolute_max_metadata_size", METADATA_LIMIT_BYTES),
         ])
-        guarded = GuardedRegistrar(self.server, guard, request_parsers())
+        guarded = GuardedRegistrar(self.server, guard, {**request_parsers(), **kserve.request_parsers()})
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)
         regions_servicer.add_to_server(self.regions, guarded)
+        kserve.add_to_server(self, guarded)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
         # What reflection.enable_server_reflection does for a grpc.aio server, through the guard.
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-            reflection.aio.ReflectionServicer((SERVICE_NAME, regions_servicer.SERVICE_NAME, HEALTH_SERVICE_NAME,
-                                               reflection.SERVICE_NAME)), guarded)
+            reflection.aio.ReflectionServicer((SERVICE_NAME, regions_servicer.SERVICE_NAME, kserve.SERVICE_NAME,
+                                               HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)), guarded)
         host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
         address = f"{host}:{config.port}"
         creds = _server_credentials(config)
