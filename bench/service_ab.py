@@ -68,6 +68,9 @@ from .servers import Running, ServerSpec, echo_argv, running_all, serve_argv
 
 # The package folders of a checkout, as ``import logitserve.<name>`` finds them (pyproject's package-dir).
 PACKAGE_DIRS = (("kernels", "kernels"), ("server", "server"), ("client", "client"), ("v1", "protos/logitserve/v1"))
+# Packages a checkout has from some commit on: linked where present (the Triton-protocol front's
+# generated code, since its server imports it).
+LATER_PACKAGE_DIRS = (("kserve", "protos/logitserve/kserve"),)
 
 
 @dataclasses.dataclass
@@ -98,11 +101,12 @@ def checkout_site(directory: str) -> str:
     tag = hashlib.sha1(directory.encode()).hexdigest()[:10]
     site = os.path.join(tempfile.gettempdir(), f"logitserve-ab-site-{tag}")
     os.makedirs(os.path.join(site, "logitserve"), exist_ok=True)
-    for name, path in PACKAGE_DIRS:
+    for name, path in PACKAGE_DIRS + LATER_PACKAGE_DIRS:
         link = os.path.join(site, "logitserve", name)
         if os.path.islink(link):
             os.unlink(link)
-        os.symlink(os.path.join(directory, path), link)
+        if os.path.isdir(os.path.join(directory, path)):
+            os.symlink(os.path.join(directory, path), link)
     return site
 
 
