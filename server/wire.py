@@ -25,16 +25,16 @@ VARINT, I64, LEN, I32 = 0, 1, 2, 5
 TENSOR_DATA = 3  # logitserve.v1.Tensor.data's field number
 
 
-class _NotHere(Exception):
+class NotPlain(Exception):
     """The bytes are not a plain encoding :class:`InPlaceReader` can split: leave them to protobuf."""
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+def read_varint(buf: bytes, pos: int) -> tuple[int, int]:
     """The varint at ``buf[pos]`` and the position after it."""
     try:
         byte = buf[pos]
     except IndexError:
-        raise _NotHere from None
+        raise NotPlain from None
     if byte < 0x80:  # tags, dtypes and short lengths: one byte
         return byte, pos + 1
     value, shift = byte & 0x7F, 7
@@ -43,13 +43,13 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
         try:
             byte = buf[pos]
         except IndexError:
-            raise _NotHere from None
+            raise NotPlain from None
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
             return value, pos + 1
         shift += 7
         if shift > 63:
-            raise _NotHere
+            raise NotPlain
 
 
 def _encode_varint(value: int) -> bytes:
@@ -69,27 +69,27 @@ def _first_fields(buf: bytes, start: int, end: int, numbers) -> dict[int, tuple[
     pos = start
     while pos < end and len(found) < len(numbers):
         tag_at = pos
-        tag, pos = _varint(buf, pos)
+        tag, pos = read_varint(buf, pos)
         wire = tag & 7
         if wire == LEN:
             length_at = pos
-            length, pos = _varint(buf, pos)
+            length, pos = read_varint(buf, pos)
             if pos + length > end:
-                raise _NotHere
+                raise NotPlain
             number = tag >> 3
             if number in numbers and number not in found:
                 found[number] = (tag_at, length_at, pos, pos + length)
             pos += length
         elif wire == VARINT:
-            _, pos = _varint(buf, pos)
+            _, pos = read_varint(buf, pos)
         elif wire == I64:
             pos += 8
         elif wire == I32:
             pos += 4
         else:  # groups, or not an encoding at all
-            raise _NotHere
+            raise NotPlain
     if pos > end:
-        raise _NotHere
+        raise NotPlain
     return found
 
 
@@ -127,7 +127,7 @@ class InPlaceReader:
         cuts: dict[str, _Cut] = {}
         try:
             self._locate(raw, 0, len(raw), [], self._tree, cuts)
-        except _NotHere:
+        except NotPlain:
             return Received(self._parse(raw))
         if not cuts:
             return Received(self._parse(raw))

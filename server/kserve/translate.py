@@ -26,7 +26,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 
 from ..errors import TooLarge
 from ..regions import RegionNotFound
-from ..wire import LEN, _NotHere, _varint
+from ..wire import LEN, NotPlain, read_varint
 from .models import DATATYPE_NAMES, DATATYPES, ITEMSIZES, MODELS, VERSION, Model
 
 # Request parameters Triton's clients may send that mean nothing here: ignored.
@@ -265,19 +265,19 @@ def split_raw(data: bytes) -> tuple[kpb.ModelInferRequest, list]:
     raw, rest, start, pos = [], [], 0, 0
     try:
         while pos < len(data):
-            tag, after = _varint(data, pos)
+            tag, after = read_varint(data, pos)
             if tag >> 3 == RAW_INPUT_CONTENTS and tag & 7 == LEN:
-                length, begin = _varint(data, after)
+                length, begin = read_varint(data, after)
                 end = begin + length
                 if end > len(data):
-                    raise _NotHere
+                    raise NotPlain
                 rest.append(view[start:pos])
                 raw.append(view[begin:end])
                 start = pos = end
                 continue
             pos = _skip(data, tag, after)
         rest.append(view[start:])
-    except _NotHere:
+    except NotPlain:
         message = kpb.ModelInferRequest.FromString(data)
         return message, list(message.raw_input_contents)
     message = kpb.ModelInferRequest.FromString(b"".join(rest))
@@ -291,16 +291,16 @@ def _skip(data: bytes, tag: int, pos: int) -> int:
     """The position after the value of a field of ``tag`` starting at ``pos``."""
     kind = tag & 7
     if kind == 0:
-        return _varint(data, pos)[1]
+        return read_varint(data, pos)[1]
     if kind == 1:
         end = pos + 8
     elif kind == LEN:
-        length, pos = _varint(data, pos)
+        length, pos = read_varint(data, pos)
         end = pos + length
     elif kind == 5:
         end = pos + 4
     else:
-        raise _NotHere
+        raise NotPlain
     if end > len(data) or tag >> 3 == 0:
-        raise _NotHere
+        raise NotPlain
     return end
