@@ -99,7 +99,7 @@ def _route_experts_kernel(
         gkey = tl.where((g < N_GROUP)[None, :], gkey, MARK)
         # TOPK_GROUP rounds of max-and-remove over the groups.
         gkeep = tl.zeros([ROWS, GROUPS], dtype=tl.int32)
-        for _ in range(TOPK_GROUP):
+        for r in range(TOPK_GROUP):
             top = tl.max(gkey, axis=1)
             hit = gkey == top[:, None]
             gkeep = tl.where(hit, 1, gkeep)
@@ -259,6 +259,8 @@ class RouteExpertsPlan:
                  weights: torch.Tensor | None = None, indices: torch.Tensor | None = None):
         """Launch; ``correction_bias`` iff the plan has one; ``weights`` / ``indices``, when given,
         contiguous ``(num_tokens, k)`` float32 / int32."""
+        if (correction_bias is None) != (self.correction_bias is None):
+            raise ValueError("correction_bias: pass it exactly when the plan was made with one")
         if self.inner is not None:
             return self.inner(gate_logits, weights, indices)
         if self.kernel is None:
