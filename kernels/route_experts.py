@@ -2,10 +2,9 @@
 grouped top-k (DeepSeek-V2 / V3), renormalization and a routed scaling factor.
 
 One kernel, one launch, beside :mod:`.topk_softmax` (which runs the default options unchanged).
-A program owns ``ROWS`` tokens as a ``[ROWS, BLOCK_E]`` tile in registers. The tile's positions
-are padded per group: position ``p`` is expert ``(p // BLOCK_G) * GROUP_SIZE + p % BLOCK_G``
-(``BLOCK_G`` the group size rounded up to a power of two), so a reshape to
-``[ROWS, GROUPS, BLOCK_G]`` gives the groups, and position order is expert order. Selection uses
+A program owns ``ROWS`` tokens as a ``[ROWS, GROUPS, BLOCK_G]`` tile in registers (``BLOCK_G``
+the group size rounded up to a power of two; one group without grouping): position
+``p = g * BLOCK_G + j`` is expert ``g * GROUP_SIZE + j``, so position order is expert order. Selection uses
 int64 keys as :mod:`.topk_softmax` does: the float32 selection key's bits, made
 order-preserving, above ``BLOCK_E - 1 - p``; distinct, ties to the lower expert (and group).
 """
@@ -38,6 +37,16 @@ def _ordered(v):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
+@triton.jit
+def _row_max(v):
+    return tl.max(tl.max(v, axis=2), axis=1)
+
+
+@triton.jit
+def _row_sum(v):
+    return tl.sum(tl.sum(v, axis=2), axis=1)
+
+
 @launchable
 @triton.jit
 def _route_experts_kernel(
@@ -50,39 +59,43 @@ def _route_experts_kernel(
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_SORT: tl.constexpr, LOG_ROWS: tl.constexpr,
     LOG_E: tl.constexpr, LOG_K: tl.constexpr,
 ):
+    # The tile is [ROWS, GROUPS, BLOCK_G] throughout (GROUPS = 1 without groups): group
+    # statistics reduce axis 2 and come back by broadcasting, with no layout conversion.
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < n_rows
-    p = tl.arange(0, BLOCK_E)
-    expert = (p // BLOCK_G) * GROUP_SIZE + p % BLOCK_G
-    valid = ((p % BLOCK_G) < GROUP_SIZE) & ((p // BLOCK_G) < N_GROUP)
-    x_row = x_ptr + rows[:, None] * x_row_stride
-    x = tl.load(x_row + expert.to(tl.int64)[None, :] * x_col_stride, mask=row_mask[:, None] & valid[None, :],
+    r3 = rows[:, None, None]
+    g = tl.arange(0, GROUPS)[None, :, None]
+    j = tl.arange(0, BLOCK_G)[None, None, :]
+    p = g * BLOCK_G + j
+    expert = g * GROUP_SIZE + j
+    valid = (j < GROUP_SIZE) & (g < N_GROUP)
+    x_row = x_ptr + r3 * x_row_stride
+    x = tl.load(x_row + expert.to(tl.int64) * x_col_stride, mask=(r3 < n_rows) & valid,
                 other=-float("inf")).to(tl.float32)
 
     if SIGMOID:
         score = 1.0 / (1.0 + tl.exp(-x))
-        row_ok = tl.sum((x != x).to(tl.int32), axis=1) == 0
+        row_ok = _row_sum((x != x).to(tl.int32)) == 0
     else:
         # As topk_softmax: padding loads -inf (exp 0); total is NaN exactly for a NaN, a +inf
         # or no finite logit.
-        row_max = tl.max(x, axis=1)
-        e = tl.exp(x - row_max[:, None])
-        total = tl.sum(e, axis=1)
-        score = e * (1.0 / total)[:, None]
+        row_max = _row_max(x)
+        e = tl.exp(x - row_max[:, None, None])
+        total = _row_sum(e)
+        score = e * (1.0 / total)[:, None, None]
         row_ok = total == total
     if HAS_BIAS:
         b = tl.load(bias_ptr + expert * bias_stride, mask=valid, other=0.0)
-        biased = score + b[None, :]
-        row_ok = row_ok & (tl.sum((biased != biased).to(tl.int32), axis=1) == 0)
+        biased = score + b
+        row_ok = row_ok & (_row_sum((biased != biased).to(tl.int32)) == 0)
         ranked = biased
     else:
         biased = score
         ranked = x  # logit order is the exact scores' order
 
-    keep = valid[None, :]
+    keep = valid
     if GROUPED:
-        c = tl.reshape(tl.where(valid[None, :], biased, -float("inf")), [ROWS, GROUPS, BLOCK_G])
+        c = tl.where(valid, biased, -float("inf"))
         best = tl.max(c, axis=2)
         if TOP2:
             at_best = c == best[:, :, None]
@@ -92,11 +105,11 @@ def _route_experts_kernel(
         else:
             gscore = best
         row_ok = row_ok & (tl.sum((gscore != gscore).to(tl.int32), axis=1) == 0)
-        g = tl.arange(0, GROUPS)
-        glow = (GROUPS - 1 - g).to(tl.int64)[None, :]
+        g2 = tl.arange(0, GROUPS)[None, :]
+        glow = (GROUPS - 1 - g2).to(tl.int64)
         gkey = (_ordered(gscore).to(tl.int64) << 32) | glow
         gkey = tl.where(row_ok[:, None], gkey, glow)
-        gkey = tl.where((g < N_GROUP)[None, :], gkey, MARK)
+        gkey = tl.where(g2 < N_GROUP, gkey, MARK)
         # TOPK_GROUP rounds of max-and-remove over the groups.
         gkeep = tl.zeros([ROWS, GROUPS], dtype=tl.int32)
         for r in range(TOPK_GROUP):
@@ -104,49 +117,51 @@ def _route_experts_kernel(
             hit = gkey == top[:, None]
             gkeep = tl.where(hit, 1, gkeep)
             gkey = tl.where(hit, MARK, gkey)
-        spread = tl.broadcast_to(tl.reshape(gkeep, [ROWS, GROUPS, 1]), [ROWS, GROUPS, BLOCK_G])
-        keep = keep & (tl.reshape(spread, [ROWS, BLOCK_E]) != 0)
+        keep = keep & (gkeep[:, :, None] != 0)
 
-    low = (BLOCK_E - 1 - p).to(tl.int64)[None, :]
+    low = (BLOCK_E - 1 - p).to(tl.int64)
     key = (_ordered(ranked).to(tl.int64) << 32) | low
-    key = tl.where(row_ok[:, None], key, low)
+    key = tl.where(row_ok[:, None, None], key, low)
     # Dropped and padding experts sit below every real key and above MARK + j, the j-th chosen.
     key = tl.where(keep, key, MARK + 0xFFFFFFFF)
 
     if USE_SORT:
-        top = _bitonic_topk(key, ROWS, BLOCK_K, LOG_ROWS, LOG_E, LOG_K)
+        top = _bitonic_topk(tl.reshape(key, [ROWS, BLOCK_E]), ROWS, BLOCK_K, LOG_ROWS, LOG_E, LOG_K)
         kcols = tl.arange(0, BLOCK_K)
         chosen = (kcols < K)[None, :]
-        position = kcols[None, :]
         pos = BLOCK_E - 1 - top.to(tl.int32)  # truncation keeps the low half
         indices = (pos // BLOCK_G) * GROUP_SIZE + pos % BLOCK_G
         # The key holds the biased score: reload the chosen logits for the weights.
-        xs = tl.load(x_row + indices.to(tl.int64) * x_col_stride, mask=row_mask[:, None] & chosen,
-                     other=0.0).to(tl.float32)
+        row_mask = (rows < n_rows)[:, None]
+        xs = tl.load(x_ptr + rows[:, None] * x_row_stride + indices.to(tl.int64) * x_col_stride,
+                     mask=row_mask & chosen, other=0.0).to(tl.float32)
         if SIGMOID:
             w = 1.0 / (1.0 + tl.exp(-xs))
         else:
             w = tl.exp(xs - row_max[:, None]) * (1.0 / total)[:, None]
+        if RENORMALIZE:
+            w = w * (1.0 / tl.sum(tl.where(chosen, w, 0.0), axis=1))[:, None]
+        w = tl.where(row_ok[:, None], w * scale, float("nan"))
+        out = (rows * out_row_stride)[:, None] + kcols[None, :]
+        tl.store(weights_ptr + out, w, mask=row_mask & chosen)
+        tl.store(indices_ptr + out, indices, mask=row_mask & chosen)
     else:
         # K rounds of max-and-remove: the chosen key becomes MARK + round; each expert then
         # knows its output position and stores itself.
-        mark = tl.full([1, 1], MARK, tl.int64)
-        for j in range(K):
-            best_key = tl.max(key, axis=1)
-            key = tl.where(key == best_key[:, None], mark, key)
+        mark = tl.full([1, 1, 1], MARK, tl.int64)
+        for r in range(K):
+            best_key = _row_max(key)
+            key = tl.where(key == best_key[:, None, None], mark, key)
             mark += 1
         chosen = key < MARK + K
-        position = (key ^ MARK).to(tl.int32)
         w = score
-        indices = expert[None, :]
-
-    if RENORMALIZE:
-        w = w * (1.0 / tl.sum(tl.where(chosen, w, 0.0), axis=1))[:, None]
-    w = tl.where(row_ok[:, None], w * scale, float("nan"))
-    out_mask = row_mask[:, None] & chosen
-    row_offs = (rows * out_row_stride)[:, None]
-    tl.store(weights_ptr + row_offs + position, w, mask=out_mask)
-    tl.store(indices_ptr + row_offs + position, indices, mask=out_mask)
+        if RENORMALIZE:
+            w = w * (1.0 / _row_sum(tl.where(chosen, w, 0.0)))[:, None, None]
+        w = tl.where(row_ok[:, None, None], w * scale, float("nan"))
+        out = r3 * out_row_stride + (key ^ MARK).to(tl.int32)
+        out_mask = (r3 < n_rows) & chosen
+        tl.store(weights_ptr + out, w, mask=out_mask)
+        tl.store(indices_ptr + out, expert, mask=out_mask)
 
 
 def _check_options(k, scoring, n_group, topk_group, group_score, renormalize, routed_scaling_factor) -> None:
