@@ -27,7 +27,7 @@ SCORINGS = ("softmax", "sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
 # The widest padded tile a program holds (int64 keys); groups' padding can double 4096 experts.
 MAX_BLOCK = 8192
-KEY_MARK = -(2 ** 63)  # chosen keys become KEY_MARK + round
+KEY_MARK = -(2 ** 63)  # below every int64 key: chosen and padding groups
 
 
 @triton.jit
@@ -43,6 +43,11 @@ def _row_max(v):
 
 
 @triton.jit
+def _row_min(v):
+    return tl.min(tl.min(v, axis=2), axis=1)
+
+
+@triton.jit
 def _row_sum(v):
     return tl.sum(tl.sum(v, axis=2), axis=1)
 
@@ -53,7 +58,8 @@ def _route_experts_kernel(
     weights_ptr, indices_ptr, x_ptr, bias_ptr,
     out_row_stride, x_row_stride, x_col_stride, bias_stride,
     n_rows, scale,
-    MARK: tl.constexpr, K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr,
+    MARK: tl.constexpr, MARK32: tl.constexpr, K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr,
     GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr,
     RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_SORT: tl.constexpr, LOG_ROWS: tl.constexpr,
@@ -119,13 +125,14 @@ def _route_experts_kernel(
             gkey = tl.where(hit, MARK, gkey)
         keep = keep & (gkeep[:, :, None] != 0)
 
-    low = (BLOCK_E - 1 - p).to(tl.int64)
-    key = (_ordered(ranked).to(tl.int64) << 32) | low
-    key = tl.where(row_ok[:, None, None], key, low)
-    # Dropped and padding experts sit below every real key and above MARK + j, the j-th chosen.
-    key = tl.where(keep, key, MARK + 0xFFFFFFFF)
-
+    # Selection keys: the float32 key's bits made order-preserving. Rows with a NaN tie every
+    # expert (0); dropped and padding experts sit below every real key (-inf's is
+    # -2**31 + 0x7FFFFF) and above the marks of the chosen.
+    ordered = tl.where(row_ok[:, None, None], _ordered(ranked), 0)
+    ordered = tl.where(keep, ordered, MARK32 + 0x10000)
     if USE_SORT:
+        # int64 keys, the reversed position in the low half: distinct, ties to the lower expert.
+        key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - p).to(tl.int64)
         top = _bitonic_topk(tl.reshape(key, [ROWS, BLOCK_E]), ROWS, BLOCK_K, LOG_ROWS, LOG_E, LOG_K)
         kcols = tl.arange(0, BLOCK_K)
         chosen = (kcols < K)[None, :]
@@ -146,19 +153,22 @@ def _route_experts_kernel(
         tl.store(weights_ptr + out, w, mask=row_mask & chosen)
         tl.store(indices_ptr + out, indices, mask=row_mask & chosen)
     else:
-        # K rounds of max-and-remove: the chosen key becomes MARK + round; each expert then
-        # knows its output position and stores itself.
-        mark = tl.full([1, 1, 1], MARK, tl.int64)
+        # K rounds of max-and-remove on int32 keys (a warp reduces one in a single instruction):
+        # the largest key, then the lowest position holding it; the chosen key becomes
+        # MARK32 + round, so each expert then knows its output position and stores itself.
+        key = ordered
+        mark = tl.full([1, 1, 1], MARK32, tl.int32)
         for r in range(K):
             best_key = _row_max(key)
-            key = tl.where(key == best_key[:, None, None], mark, key)
+            first = _row_min(tl.where(key == best_key[:, None, None], p, BLOCK_E))
+            key = tl.where(p == first[:, None, None], mark, key)
             mark += 1
-        chosen = key < MARK + K
+        chosen = key < MARK32 + K
         w = score
         if RENORMALIZE:
             w = w * (1.0 / _row_sum(tl.where(chosen, w, 0.0)))[:, None, None]
         w = tl.where(row_ok[:, None, None], w * scale, float("nan"))
-        out = r3 * out_row_stride + (key ^ MARK).to(tl.int32)
+        out = r3 * out_row_stride + (key ^ MARK32)
         out_mask = (r3 < n_rows) & chosen
         tl.store(weights_ptr + out, w, mask=out_mask)
         tl.store(indices_ptr + out, expert, mask=out_mask)
@@ -254,7 +264,7 @@ class RouteExpertsPlan:
         self.rows = rows_per_program(n_rows, block_e)
         self.num_warps = num_warps_for(self.rows, block_e)
         block_k = max(2, triton.next_power_of_2(k))
-        self.meta = dict(MARK=KEY_MARK, K=k, SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
+        self.meta = dict(MARK=KEY_MARK, MARK32=-(2 ** 31), K=k, SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
                          N_GROUP=n_group if grouped else 1, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
                          GROUPED=grouped, TOP2=group_score == "top2_sum", RENORMALIZE=renormalize, ROWS=self.rows,
                          GROUPS=groups, BLOCK_G=block_g, BLOCK_E=block_e, BLOCK_K=block_k, USE_SORT=use_sort(k),
