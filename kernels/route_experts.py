@@ -118,7 +118,7 @@ def _route_experts_kernel(
         gkey = tl.where(g2 < N_GROUP, gkey, MARK)
         # TOPK_GROUP rounds of max-and-remove over the groups.
         gkeep = tl.zeros([ROWS, GROUPS], dtype=tl.int32)
-        for r in range(TOPK_GROUP):
+        for r in tl.static_range(TOPK_GROUP):
             top = tl.max(gkey, axis=1)
             hit = gkey == top[:, None]
             gkeep = tl.where(hit, 1, gkeep)
@@ -158,7 +158,7 @@ def _route_experts_kernel(
         # MARK32 + round, so each expert then knows its output position and stores itself.
         key = ordered
         mark = tl.full([1, 1, 1], MARK32, tl.int32)
-        for r in range(K):
+        for r in tl.static_range(K):
             best_key = _row_max(key)
             first = _row_min(tl.where(key == best_key[:, None, None], p, BLOCK_E))
             key = tl.where(p == first[:, None, None], mark, key)
