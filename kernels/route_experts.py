@@ -264,7 +264,8 @@ class RouteExpertsPlan:
         self.rows = rows_per_program(n_rows, block_e)
         self.num_warps = num_warps_for(self.rows, block_e)
         block_k = max(2, triton.next_power_of_2(k))
-        self.meta = dict(MARK=KEY_MARK, MARK32=-(2 ** 31), K=k, SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
+        self.meta = dict(MARK=KEY_MARK, MARK32=-(2 ** 31), K=k, SIGMOID=scoring == "sigmoid",
+                         HAS_BIAS=correction_bias is not None,
                          N_GROUP=n_group if grouped else 1, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
                          GROUPED=grouped, TOP2=group_score == "top2_sum", RENORMALIZE=renormalize, ROWS=self.rows,
                          GROUPS=groups, BLOCK_G=block_g, BLOCK_E=block_e, BLOCK_K=block_k, USE_SORT=use_sort(k),
@@ -272,7 +273,8 @@ class RouteExpertsPlan:
                          LOG_K=block_k.bit_length() - 1)
         self.grid = (triton.cdiv(n_rows, self.rows),)
         bias_stride = correction_bias.strides[0] if correction_bias is not None else 0
-        self.args = (k, gate_logits.strides[0], gate_logits.strides[1], bias_stride, n_rows, float(routed_scaling_factor))
+        self.args = (k, gate_logits.strides[0], gate_logits.strides[1], bias_stride, n_rows,
+                     float(routed_scaling_factor))
         self.kernel = _route_experts_kernel.for_backend(self.backend)
 
     @staticmethod

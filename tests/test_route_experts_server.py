@@ -89,8 +89,10 @@ G = _tensor(np.zeros((2, 16), np.float32))
 BAD = {
     "n_group not dividing E": (dict(k=2, n_group=3), "n_group: must be >= 1 and divide E = 16, got 3"),
     "negative n_group": (dict(k=2, n_group=-2), "n_group: must be >= 1"),
-    "topk_group > n_group": (dict(k=2, n_group=4, topk_group=5), "topk_group: must satisfy 1 <= topk_group <= n_group"),
-    "k over the kept groups": (dict(k=5, n_group=4, topk_group=1), "k: must satisfy 1 <= k <= topk_group * E / n_group = 4"),
+    "topk_group > n_group": (dict(k=2, n_group=4, topk_group=5),
+                             "topk_group: must satisfy 1 <= topk_group <= n_group"),
+    "k over the kept groups": (dict(k=5, n_group=4, topk_group=1),
+                               "k: must satisfy 1 <= k <= topk_group * E / n_group = 4"),
     "top2 of one expert": (dict(k=2, n_group=16, topk_group=8), "group_score: 'top2_sum' needs >= 2 experts a group"),
     "unknown scoring": (dict(k=2, scoring=7), "scoring: must be SCORING_UNSPECIFIED"),
     "unknown group score": (dict(k=2, group_score=5), "group_score: must be GROUP_SCORE_UNSPECIFIED"),

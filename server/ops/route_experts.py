@@ -6,7 +6,6 @@ bias compared by content. The defaults are ``kernels.topk_softmax``'s routing, u
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping
 
