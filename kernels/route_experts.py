@@ -4,9 +4,13 @@ grouped top-k (DeepSeek-V2 / V3), renormalization and a routed scaling factor.
 One kernel, one launch, beside :mod:`.topk_softmax` (which runs the default options unchanged).
 A program owns ``ROWS`` tokens as a ``[ROWS, GROUPS, BLOCK_G]`` tile in registers (``BLOCK_G``
 the group size rounded up to a power of two; one group without grouping): position
-``p = g * BLOCK_G + j`` is expert ``g * GROUP_SIZE + j``, so position order is expert order. Selection uses
-int64 keys as :mod:`.topk_softmax` does: the float32 selection key's bits, made
-order-preserving, above ``BLOCK_E - 1 - p``; distinct, ties to the lower expert (and group).
+``p = g * BLOCK_G + j`` is expert ``g * GROUP_SIZE + j``, so position order is expert order, and
+group statistics reduce axis 2 with no layout conversion. The selection key (the biased score,
+or the logit without a bias) is a float32 whose bits are made order-preserving. Groups are
+ranked on int64 keys (those bits above the reversed group index); ``k <= 16`` experts by ``k``
+rounds on int32 keys (the largest key, then the lowest position holding it: two one-instruction
+warp reductions); larger ``k`` by :mod:`.topk_softmax`'s bitonic network on int64 keys (bits
+above ``BLOCK_E - 1 - p``). Ties go to the lower expert and the lower group everywhere.
 """
 
 from __future__ import annotations
