@@ -136,13 +136,20 @@ class _Methods(RegionMethods):
                                     seed=seed, step=step, filter_order=filter_order, random_val=random_val, out=out)
         return self._send("Sample", enc, msg, pb.SampleResponse, messages.sample_result, timeout, stream)
 
-    def route_experts(self, gate_logits, k: int, renormalize: bool = False, *, out=None, stream=None,
-                      timeout=CLIENT_TIMEOUT):
-        """``(weights float32 [N, k], indices int32 [N, k])``: the top-k experts of every token.
-        ``out``: registered ``weights`` / ``indices`` (a dict, an object with those attributes, or
-        a ``(weights, indices)`` tuple), written in place and returned."""
+    def route_experts(self, gate_logits, k: int, renormalize: bool = False, *, scoring: str = "softmax",
+                      correction_bias=None, n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
+                      routed_scaling_factor: float = 1.0, out=None, stream=None, timeout=CLIENT_TIMEOUT):
+        """``(weights float32 [N, k], indices int32 [N, k])``: the k experts of every token.
+        Router options as ``kernels.route_experts``: ``scoring`` ("softmax" or "sigmoid"),
+        ``correction_bias`` (float32 [E], selection only), ``n_group`` / ``topk_group`` /
+        ``group_score`` ("top2_sum" or "max"), ``routed_scaling_factor``; the defaults are
+        softmax top-k. ``out``: registered ``weights`` / ``indices`` (a dict, an object with
+        those attributes, or a ``(weights, indices)`` tuple), written in place and returned."""
         enc = self._encoder()
-        msg = messages.build_route_experts(enc, (), gate_logits, k, renormalize, out=out)
+        msg = messages.build_route_experts(enc, (), gate_logits, k, renormalize, scoring=scoring,
+                                           correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
+                                           group_score=group_score, routed_scaling_factor=routed_scaling_factor,
+                                           out=out)
         return self._send("RouteExperts", enc, msg, pb.RouteExpertsResponse, messages.route_experts_result, timeout,
                           stream)
 

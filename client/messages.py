@@ -202,10 +202,31 @@ def build_sample(enc: Encoder, path: wire.Path, logits, *, temperature=1.0, top_
     return msg
 
 
+_SCORINGS = {"softmax": pb.RouteExpertsRequest.SCORING_UNSPECIFIED, "sigmoid": pb.RouteExpertsRequest.SCORING_SIGMOID}
+_GROUP_SCORES = {"top2_sum": pb.RouteExpertsRequest.GROUP_SCORE_UNSPECIFIED,
+                 "max": pb.RouteExpertsRequest.GROUP_SCORE_MAX}
+
+
 def build_route_experts(enc: Encoder, path: wire.Path, gate_logits, k: int, renormalize: bool = False, *,
+                        scoring: str = "softmax", correction_bias=None, n_group: int = 1, topk_group: int = 1,
+                        group_score: str = "top2_sum", routed_scaling_factor: float = 1.0,
                         out=None) -> pb.RouteExpertsRequest:
+    if scoring not in _SCORINGS:
+        raise ValueError(f"scoring: must be one of {tuple(_SCORINGS)}, got {scoring!r}")
+    if group_score not in _GROUP_SCORES:
+        raise ValueError(f"group_score: must be one of {tuple(_GROUP_SCORES)}, got {group_score!r}")
     msg = pb.RouteExpertsRequest(gate_logits=enc.tensor(gate_logits, (*path, "gate_logits"), "gate_logits"),
-                                 k=int(k), renormalize=renormalize)
+                                 k=int(k), renormalize=renormalize, scoring=_SCORINGS[scoring],
+                                 group_score=_GROUP_SCORES[group_score])
+    # 1 is the unset default: today's requests stay byte for byte the same.
+    msg.n_group = 0 if n_group == 1 else int(n_group)
+    msg.topk_group = 0 if topk_group == 1 else int(topk_group)
+    if routed_scaling_factor != 1.0:
+        msg.routed_scaling_factor = float(routed_scaling_factor)
+    if correction_bias is not None:
+        # Small ([E]): always sent as bytes in the message, never as a region reference.
+        dtype, shape, data = codec.tensor_parts(correction_bias, "correction_bias")
+        msg.correction_bias.CopyFrom(pb.Tensor(dtype=dtype, shape=shape, data=bytes(data)))
     shape = (_rows(msg.gate_logits), int(k))
     enc.outputs_into(msg, path, out, {"weights": (pb.DTYPE_FLOAT32, shape), "indices": (pb.DTYPE_INT32, shape)})
     return msg
@@ -281,8 +302,9 @@ def sample_request(logits, **kwargs) -> pb.SampleRequest:
     return _complete(build_sample, logits, **kwargs)
 
 
-def route_experts_request(gate_logits, k: int, renormalize: bool = False) -> pb.RouteExpertsRequest:
-    return _complete(build_route_experts, gate_logits, k, renormalize)
+def route_experts_request(gate_logits, k: int, renormalize: bool = False, **router) -> pb.RouteExpertsRequest:
+    """A complete RouteExpertsRequest; ``router``: the router keywords of ``Client.route_experts``."""
+    return _complete(build_route_experts, gate_logits, k, renormalize, **router)
 
 
 def softmax_request(x, dim: int = -1) -> pb.SoftmaxRequest:

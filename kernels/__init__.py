@@ -13,6 +13,7 @@ from .causal_softmax import CausalSoftmaxPlan, causal_softmax
 from .copy import copy_by_kernel
 from .sampling.api import sample
 from .sampling.plan import SamplePlan
+from .route_experts import RouteExpertsPlan, route_experts
 from .softmax import SoftmaxPlan, softmax
 from .topk_softmax import TopkSoftmaxPlan, topk_softmax
 
@@ -20,6 +21,7 @@ __all__ = [
     "BACKENDS",
     "FLOAT_DTYPES",
     "CausalSoftmaxPlan",
+    "RouteExpertsPlan",
     "SamplePlan",
     "SiluPlan",
     "SoftmaxPlan",
@@ -31,6 +33,7 @@ __all__ = [
     "copy_by_kernel",
     "plan_cache_size",
     "resolve_backend",
+    "route_experts",
     "sample",
     "silu",
     "softmax",

@@ -1,4 +1,8 @@
-"""RouteExperts: ``kernels.topk_softmax`` on ``gate_logits [N, E]``, MoE routing."""
+"""RouteExperts: ``kernels.route_experts`` on ``gate_logits [N, E]``, MoE routing.
+
+The router's options (scoring, correction bias, groups, scaling) travel as one hashable
+:class:`Router`, part of the batching key: calls share a launch only under equal options, the
+bias compared by content. The defaults are ``kernels.topk_softmax``'s routing, unchanged."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import numpy as np
 import torch
 
 from logitserve import kernels
+from logitserve.kernels.route_experts import check_group_options
 from logitserve.kernels.topk_softmax import MAX_EXPERTS
 from logitserve.v1 import logitserve_pb2 as pb
 
@@ -19,11 +24,72 @@ from .limits import Limits
 from .resident import Outputs, device_inputs, launches_in_place, launches_together
 
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SCORINGS = {pb.RouteExpertsRequest.SCORING_UNSPECIFIED: "softmax", pb.RouteExpertsRequest.SCORING_SIGMOID: "sigmoid"}
+GROUP_SCORES = {pb.RouteExpertsRequest.GROUP_SCORE_UNSPECIFIED: "top2_sum",
+                pb.RouteExpertsRequest.GROUP_SCORE_MAX: "max"}
+
+
+@dataclass(frozen=True)
+class Router:
+    """A request's router options; hashable (the bias by its bytes), part of the batching key."""
+
+    scoring: str = "softmax"
+    bias: bytes | None = None  # float32 [E], little-endian
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2_sum"
+    routed_scaling_factor: float = 1.0
+
+    @classmethod
+    def from_pb(cls, msg: pb.RouteExpertsRequest, experts: int, k: int, path: str = "") -> "Router":
+        """The options of ``msg``, checked against E and k; ValueError names the field and the rule."""
+        if msg.scoring not in SCORINGS:
+            raise ValueError(f"{path}scoring: must be SCORING_UNSPECIFIED (softmax) or SCORING_SIGMOID, "
+                             f"got {msg.scoring}")
+        if msg.group_score not in GROUP_SCORES:
+            raise ValueError(f"{path}group_score: must be GROUP_SCORE_UNSPECIFIED (top2_sum) or GROUP_SCORE_MAX, "
+                             f"got {msg.group_score}")
+        for name in ("n_group", "topk_group"):
+            if getattr(msg, name) < 0:
+                raise ValueError(f"{path}{name}: must be >= 1 (0: unset, 1), got {getattr(msg, name)}")
+        n_group, topk_group = msg.n_group or 1, msg.topk_group or 1
+        scale = msg.routed_scaling_factor if msg.HasField("routed_scaling_factor") else 1.0
+        group_score = GROUP_SCORES[msg.group_score]
+        check_group_options(experts, k, n_group, topk_group, group_score, scale, path)
+        bias = None
+        if msg.HasField("correction_bias"):
+            b = tensor_field(msg, "correction_bias", path, NOT_IN_PLACE, dtypes=(torch.float32,), ranks=(1,))
+            if b.shape != (experts,):
+                raise ValueError(f"{path}correction_bias.shape: must be [E] = [{experts}], got {list(b.shape)}")
+            bias = bytes(b.data)
+            if not np.isfinite(np.frombuffer(bias, dtype="<f4")).all():
+                raise ValueError(f"{path}correction_bias: must be finite")
+        return cls(SCORINGS[msg.scoring], bias, n_group, topk_group, group_score, scale)
+
+    def options(self) -> dict:
+        return dict(scoring=self.scoring, n_group=self.n_group, topk_group=self.topk_group,
+                    group_score=self.group_score, routed_scaling_factor=self.routed_scaling_factor)
+
+    def launcher(self, k: int, renormalize: bool, backend: str):
+        """``launch(gate_logits) -> (weights, indices)``; the bias goes to the device on the first
+        launch (before a CUDA graph's capture, server/graphs.py) and stays with the closure."""
+        options, device_bias = self.options(), {}
+
+        def launch(gate_logits):
+            if self.bias is not None and gate_logits.device not in device_bias:
+                bias = torch.frombuffer(bytearray(self.bias), dtype=torch.float32)
+                device_bias[gate_logits.device] = bias.to(gate_logits.device)
+            return kernels.route_experts(gate_logits, k, correction_bias=device_bias.get(gate_logits.device),
+                                         renormalize=renormalize, backend=backend, **options)
+        return launch
+
+
+DEFAULT_ROUTER = Router()
 
 
 @dataclass(eq=False)
 class RouteExpertsCall:
-    """``kernels.topk_softmax`` on ``gate_logits [N, E]``."""
+    """``kernels.route_experts`` on ``gate_logits [N, E]``."""
 
     gate_logits: HostTensor
     k: int
@@ -31,6 +97,7 @@ class RouteExpertsCall:
     # The outputs to write into regions (output_regions), and the call's leases (server/regions/calls.py).
     outputs: Outputs | None = None
     regions: object = None
+    router: Router = DEFAULT_ROUTER
 
     op = "route_experts"
 
@@ -45,11 +112,12 @@ class RouteExpertsCall:
         if not 1 <= msg.k <= experts:
             raise ValueError(f"{path}k: must be in [1, E] with E = {experts} experts (gate_logits.shape[1]), "
                              f"got {msg.k}")
+        router = Router.from_pb(msg, experts, msg.k, path)
         limits.check_output(f"{path}gate_logits", (g.shape[0], msg.k), 8)  # float32 weights + int32 indices
         shape = (g.shape[0], msg.k)
         outputs = Outputs.of(msg, "RouteExperts", regions, path, {"weights": (torch.float32, shape),
                                                                   "indices": (torch.int32, shape)})
-        return cls(g, msg.k, msg.renormalize, outputs, regions)
+        return cls(g, msg.k, msg.renormalize, outputs, regions, router)
 
     @property
     def inputs(self) -> tuple:
@@ -61,7 +129,7 @@ class RouteExpertsCall:
 
     @property
     def key(self):
-        return (self.op, self.gate_logits.dtype, self.gate_logits.shape[1], self.k, self.renormalize)
+        return (self.op, self.gate_logits.dtype, self.gate_logits.shape[1], self.k, self.renormalize, self.router)
 
     @staticmethod
     async def run_batch(calls: list["RouteExpertsCall"], handle) -> list["RouteExpertsResult"]:
@@ -70,15 +138,12 @@ class RouteExpertsCall:
             return [RouteExpertsResult(None if w is None else w.numpy(), None if i is None else i.numpy(), c.outputs,
                                        written=True) for w, i, c in done]
         rows = [c.rows for c in calls]
-        k, renormalize = calls[0].k, calls[0].renormalize
+        launch = calls[0].router.launcher(calls[0].k, calls[0].renormalize, handle.backend)
 
         def stage_for(batch_rows: int) -> Staging:
             stage = Staging()
             stage.add([c.gate_logits for c in calls], rows=batch_rows)
             return stage
-
-        def launch(gate_logits):
-            return kernels.topk_softmax(gate_logits, k, renormalize=renormalize, backend=handle.backend)
 
         weights, indices = await handle.launch(calls[0].key, sum(rows), stage_for, launch)
         return [RouteExpertsResult(w, i, c.outputs)
@@ -89,12 +154,12 @@ def _launch_in_place(calls: list[RouteExpertsCall], handle) -> list[tuple]:
     """On the launch thread: ``calls`` launched on their gate logits where they are
     (server/ops/resident.py), together or one by one; each call's outputs put into its regions,
     the others brought to the host: ``(weights, indices, call)``, None for an output in a region."""
-    k, renormalize = calls[0].k, calls[0].renormalize
+    launch = calls[0].router.launcher(calls[0].k, calls[0].renormalize, handle.backend)
     groups = [calls] if launches_together(calls, handle) else [[c] for c in calls]
     done = []
     for group in groups:
         gate_logits, = device_inputs(handle, [c.gate_logits for c in group])
-        weights, indices = kernels.topk_softmax(gate_logits, k, renormalize=renormalize, backend=handle.backend)
+        weights, indices = launch(gate_logits)
         rows = [c.rows for c in group]
         for w, i, c in zip(split(weights, rows), split(indices, rows), group):
             outs = []

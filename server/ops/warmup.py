@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..tensors import HostTensor
-from .route_experts import ROUTE_DTYPES, RouteExpertsCall
+from .route_experts import ROUTE_DTYPES, RouteExpertsCall, Router
 from .sample import SampleCall
 from .tensor_ops import CausalSoftmaxCall, SiluCall, SoftmaxCall
 
@@ -46,4 +46,9 @@ def warmup_calls(dtype: torch.dtype, widths: tuple[int, ...]) -> list[tuple[str,
             for b in WARMUP_BATCH_ROWS:
                 g = HostTensor.of(torch.randn(b, experts, generator=gen).to(dtype))
                 cases.append((f"route_experts {b}x{experts} k={k}", RouteExpertsCall(g, k, True)))
+        # DeepSeek-V3's router (sigmoid, correction bias, 8 groups keep 4): its own kernel.
+        deepseek = Router("sigmoid", bytes(256 * 4), 8, 4, "top2_sum", 2.5)
+        for b in WARMUP_BATCH_ROWS:
+            g = HostTensor.of(torch.randn(b, 256, generator=gen).to(dtype))
+            cases.append((f"route_experts grouped {b}x256 k=8", RouteExpertsCall(g, 8, True, router=deepseek)))
     return cases

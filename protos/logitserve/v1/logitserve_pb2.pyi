@@ -122,7 +122,19 @@ class SampleResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Union[Tensor, _Mapping]] = ..., valid: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RouteExpertsRequest(_message.Message):
-    __slots__ = ("gate_logits", "k", "renormalize", "output_regions")
+    __slots__ = ("gate_logits", "k", "renormalize", "output_regions", "scoring", "correction_bias", "n_group", "topk_group", "group_score", "routed_scaling_factor")
+    class Scoring(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        SCORING_UNSPECIFIED: _ClassVar[RouteExpertsRequest.Scoring]
+        SCORING_SIGMOID: _ClassVar[RouteExpertsRequest.Scoring]
+    SCORING_UNSPECIFIED: RouteExpertsRequest.Scoring
+    SCORING_SIGMOID: RouteExpertsRequest.Scoring
+    class GroupScore(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        GROUP_SCORE_UNSPECIFIED: _ClassVar[RouteExpertsRequest.GroupScore]
+        GROUP_SCORE_MAX: _ClassVar[RouteExpertsRequest.GroupScore]
+    GROUP_SCORE_UNSPECIFIED: RouteExpertsRequest.GroupScore
+    GROUP_SCORE_MAX: RouteExpertsRequest.GroupScore
     class OutputRegionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -134,11 +146,23 @@ class RouteExpertsRequest(_message.Message):
     K_FIELD_NUMBER: _ClassVar[int]
     RENORMALIZE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    SCORING_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_BIAS_FIELD_NUMBER: _ClassVar[int]
+    N_GROUP_FIELD_NUMBER: _ClassVar[int]
+    TOPK_GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SCORE_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_SCALING_FACTOR_FIELD_NUMBER: _ClassVar[int]
     gate_logits: Tensor
     k: int
     renormalize: bool
     output_regions: _containers.MessageMap[str, RegionRef]
-    def __init__(self, gate_logits: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., renormalize: _Optional[bool] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ...) -> None: ...
+    scoring: RouteExpertsRequest.Scoring
+    correction_bias: Tensor
+    n_group: int
+    topk_group: int
+    group_score: RouteExpertsRequest.GroupScore
+    routed_scaling_factor: float
+    def __init__(self, gate_logits: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., renormalize: _Optional[bool] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ..., scoring: _Optional[_Union[RouteExpertsRequest.Scoring, str]] = ..., correction_bias: _Optional[_Union[Tensor, _Mapping]] = ..., n_group: _Optional[int] = ..., topk_group: _Optional[int] = ..., group_score: _Optional[_Union[RouteExpertsRequest.GroupScore, str]] = ..., routed_scaling_factor: _Optional[float] = ...) -> None: ...
 
 class RouteExpertsResponse(_message.Message):
     __slots__ = ("weights", "indices")
