@@ -98,55 +98,40 @@ def _new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ids):08x}"
 
 
-class _Undecodable:
-    """Request bytes that do not parse as the method's message: answered INVALID_ARGUMENT after
-    authentication, so a caller without a valid token learns nothing of its request (gRPC
-    itself would answer UNKNOWN for a unary call and the stream would end INTERNAL)."""
-
-    def __init__(self, error: Exception):
-        self.error = error
-
-
-def _tolerant(deserializer):
-    """``deserializer``, returning :class:`_Undecodable` instead of raising on malformed bytes."""
-    if deserializer is None:
-        return None
-
-    def deserialize(data: bytes):
-        try:
-            return deserializer(data)
-        except Exception as exc:  # noqa: BLE001 - DecodeError, or anything a corrupt message raises
-            return _Undecodable(exc)
-    return deserialize
-
-
-def _decoded(request):
-    """``request`` (a message, or a stream of them) with undecodable messages raising ValueError."""
-    if isinstance(request, _Undecodable):
-        raise ValueError(f"request: not a valid protobuf message for this method ({request.error})")
+def _parsed(request, parse):
+    """``request`` (raw bytes, or a stream of them) parsed by ``parse``; bytes that do not parse
+    as the method's message raise ValueError (INVALID_ARGUMENT). Runs after the token check, so a
+    caller without a valid token costs no parsing and learns nothing of its request (gRPC itself
+    would answer UNKNOWN for a unary call and the stream would end INTERNAL)."""
+    if parse is None:
+        return request
     if hasattr(request, "__aiter__"):
-        return _decoded_stream(request)
-    return request
+        return _parsed_stream(request, parse)
+    try:
+        return parse(request)
+    except Exception as exc:  # noqa: BLE001 - DecodeError, or anything a corrupt message raises
+        raise ValueError(f"request: not a valid protobuf message for this method ({exc})") from None
 
 
-async def _decoded_stream(requests):
+async def _parsed_stream(requests, parse):
     async for request in requests:
-        yield _decoded(request)
+        yield _parsed(request, parse)
 
 
 def _rebuild(handler: grpc.RpcMethodHandler, unary, stream, parse=None) -> grpc.RpcMethodHandler:
     """A handler like ``handler`` whose behaviour is wrapped by the ``unary`` / ``stream``
-    factories and whose requests are parsed tolerantly (:class:`_Undecodable`), by ``parse``
-    when given, else by the handler's own deserializer."""
-    kw = dict(request_deserializer=_tolerant(parse or handler.request_deserializer),
-              response_serializer=handler.response_serializer)
+    factories (each called with the behaviour and the request parser: ``parse`` when given,
+    else the handler's own deserializer). gRPC hands the wrapped behaviour raw bytes: they are
+    parsed only once the call is admitted (token checked)."""
+    parse = parse or handler.request_deserializer
+    kw = dict(request_deserializer=None, response_serializer=handler.response_serializer)
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary, parse), **kw)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kw)
+        return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream, parse), **kw)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
-    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kw)
+        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary, parse), **kw)
+    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream, parse), **kw)
 
 
 class Guard:
@@ -186,13 +171,13 @@ class Guard:
             context.set_trailing_metadata(((REQUEST_ID_KEY, record.request_id),))
             return record, metadata
 
-        def check(metadata, request):
-            """The request, decoded, once the call may go on."""
+        def check(metadata, request, parse):
+            """The request, parsed, once the call may go on (token first, then any per-call work)."""
             if not exempt and self._is_draining():
                 raise Draining("server is draining; retry on another replica")
             if tokens is not None and not tokens.check(metadata.get("authorization")):
                 raise Unauthenticated("missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
-            return _decoded(request)
+            return _parsed(request, parse)
 
         async def ended_by(exc: BaseException, record: CallRecord, context) -> None:
             """Record how a call that raised ``exc`` ended. A cancellation (the client left) and
@@ -208,29 +193,29 @@ class Guard:
                 log_event(log, "fault", level=logging.ERROR, exc_info=exc, request_id=record.request_id, rpc=rpc)
             await context.abort(record.code, message)
 
-        def unary(behaviour):
+        def unary(behaviour, parse):
             async def wrapped(request, context):
                 t0 = time.perf_counter()
                 record, metadata = admit(context)
                 try:
-                    return await behaviour(check(metadata, request), context)
+                    return await behaviour(check(metadata, request, parse), context)
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - mapped to a status, never lost
                     await ended_by(exc, record, context)
                 finally:
                     self._finish(record, t0)
             return wrapped
 
-        def stream(behaviour):
+        def stream(behaviour, parse):
             if not inspect.isasyncgenfunction(behaviour):
                 # A streaming handler written as a coroutine that calls context.write() (the
                 # health service's Watch): wrapped like a unary one.
-                return unary(behaviour)
+                return unary(behaviour, parse)
 
             async def wrapped(request, context):
                 t0 = time.perf_counter()
                 record, metadata = admit(context)
                 try:
-                    async for response in behaviour(check(metadata, request), context):
+                    async for response in behaviour(check(metadata, request, parse), context):
                         yield response
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - as in unary
                     await ended_by(exc, record, context)
@@ -256,19 +241,25 @@ class Guard:
 
 
 class _GuardedGenericHandler(grpc.GenericRpcHandler):
-    """A generic handler whose method handlers are wrapped by ``guard`` (once per method)."""
+    """A generic handler whose method handlers are wrapped by ``guard`` (once per method).
+
+    Only methods the inner handler knows are kept: a path it does not know (a client may send
+    any, of any length, before any token check) is answered UNIMPLEMENTED by gRPC and leaves
+    nothing behind here."""
 
     def __init__(self, inner: grpc.GenericRpcHandler, guard: Guard, parsers: dict):
         self._inner, self._guard, self._parsers = inner, guard, parsers
-        self._by_method: dict[str, grpc.RpcMethodHandler | None] = {}
+        self._by_method: dict[str, grpc.RpcMethodHandler] = {}
 
     def service(self, handler_call_details):
         method = handler_call_details.method
-        if method not in self._by_method:
+        wrapped = self._by_method.get(method)
+        if wrapped is None:
             handler = self._inner.service(handler_call_details)
-            self._by_method[method] = (None if handler is None
-                                       else self._guard.wrap(method, handler, self._parsers.get(method)))
-        return self._by_method[method]
+            if handler is None:
+                return None
+            wrapped = self._by_method[method] = self._guard.wrap(method, handler, self._parsers.get(method))
+        return wrapped
 
 
 class GuardedRegistrar:
