@@ -70,7 +70,8 @@ class Service:
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
         self.occupancy = Occupancy()  # counted by the guard; read by the batcher and busy polling
-        guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens, occupancy=self.occupancy)
+        guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens, occupancy=self.occupancy,
+                      max_message_bytes=config.max_message_bytes)
         self.batcher = Batcher(self.handle, max_batch_rows=config.max_batch_rows,
                                max_delay_s=config.max_delay_us * 1e-6, max_queue=config.max_queue,
                                metrics=self.metrics, calls_in_server=lambda: self.occupancy.calls,

@@ -72,6 +72,7 @@ class CallRecord:
     counted: bool  # in the occupancy the guard counts calls in (health checks are not)
     rows: int = 0
     code: grpc.StatusCode = grpc.StatusCode.OK
+    reason: str = ""  # a failed call's status message
 
 
 _current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("logitserve_call", default=None)
@@ -145,8 +146,13 @@ class Guard:
     Failures log at warning, faults at error.
     """
 
-    def __init__(self, metrics=None, is_draining=lambda: False, tokens=None, occupancy=None):
+    def __init__(self, metrics=None, is_draining=lambda: False, tokens=None, occupancy=None,
+                 max_message_bytes: int | None = None):
         self._metrics = metrics
+        # gRPC's send limit (--max-message-bytes): an answer over it is refused here, logged and
+        # counted as RESOURCE_EXHAUSTED, instead of failing inside gRPC after the handler returned
+        # (which the log and metrics would count as OK).
+        self._max_message_bytes = max_message_bytes
         self._is_draining = is_draining
         self._tokens = tokens
         # Counts calls admitted and not yet finished (enter() / leave(); occupancy.Occupancy),
@@ -189,6 +195,7 @@ class Guard:
                 record.code = context.code() or grpc.StatusCode.UNKNOWN
                 raise exc
             record.code, message = status_for(exc)
+            record.reason = message
             if record.code == grpc.StatusCode.INTERNAL:
                 log_event(log, "fault", level=logging.ERROR, exc_info=exc, request_id=record.request_id, rpc=rpc)
             await context.abort(record.code, message)
@@ -198,7 +205,7 @@ class Guard:
                 t0 = time.perf_counter()
                 record, metadata = admit(context)
                 try:
-                    return await behaviour(check(metadata, request, parse), context)
+                    return self._sendable(await behaviour(check(metadata, request, parse), context))
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - mapped to a status, never lost
                     await ended_by(exc, record, context)
                 finally:
@@ -216,7 +223,7 @@ class Guard:
                 record, metadata = admit(context)
                 try:
                     async for response in behaviour(check(metadata, request, parse), context):
-                        yield response
+                        yield self._sendable(response)
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - as in unary
                     await ended_by(exc, record, context)
                 finally:
@@ -224,6 +231,16 @@ class Guard:
             return wrapped
 
         return _rebuild(handler, unary, stream, parse)
+
+    def _sendable(self, response):
+        """``response``, if gRPC will send it (its size within --max-message-bytes)."""
+        limit = self._max_message_bytes
+        if limit is not None and response is not None and hasattr(response, "ByteSize"):
+            size = response.ByteSize()
+            if size > limit:
+                raise TooLarge(f"the answer is a {size}-byte message, over this server's message limit of "
+                               f"{limit} (--max-message-bytes)")
+        return response
 
     def _finish(self, record: CallRecord, t0: float) -> None:
         if record.counted and self._occupancy is not None:
@@ -236,8 +253,9 @@ class Guard:
         if self._metrics is not None:
             self._metrics.observe_rpc(record.rpc, record.code.name, seconds)
         level = logging.DEBUG if record.code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else logging.WARNING
+        failed = {"code": record.code.value[0], "reason": record.reason} if record.reason else {}
         log_event(log, "rpc", level=level, request_id=record.request_id, rpc=record.rpc, rows=record.rows,
-                  status=record.code.name, latency_ms=round(seconds * 1e3, 3))
+                  status=record.code.name, latency_ms=round(seconds * 1e3, 3), **failed)
 
 
 class _GuardedGenericHandler(grpc.GenericRpcHandler):

@@ -50,3 +50,82 @@ def test_unknown_method_paths_do_not_pin_memory():
     print(f"unknown paths: RSS +{grown:.1f} MiB")
     assert codes == {grpc.StatusCode.UNIMPLEMENTED}
     assert grown < 12, f"RSS grew {grown:.1f} MiB over 3,000 unknown 8 KB paths"
+
+
+# --- the answer-size check (--max-message-bytes) -------------------------------------------
+
+def _stub(channel):
+    from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
+    return pb_grpc.LogitServeStub(channel)
+
+
+def test_answer_bytes_is_the_serialized_size():
+    """limits.answer_bytes is exactly what the answer serializes to (gRPC's count)."""
+    import torch
+    from logitserve.server.ops.limits import answer_bytes
+    from logitserve.server.tensors import from_torch
+    from logitserve.v1 import logitserve_pb2 as pb
+    for shape in ((256, 1024), (3,), (1, 1, 200), (0, 5)):
+        out = torch.zeros(shape)
+        assert answer_bytes(pb.SiluResponse, {"out": (out.dtype, shape)}) == pb.SiluResponse(
+            out=from_torch(out)).ByteSize()
+    w, i = torch.zeros(512, 256), torch.zeros(512, 256, dtype=torch.int32)
+    assert answer_bytes(pb.RouteExpertsResponse, {"weights": (w.dtype, w.shape), "indices": (i.dtype, i.shape)}) \
+        == pb.RouteExpertsResponse(weights=from_torch(w), indices=from_torch(i)).ByteSize()
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    with ServerProcess("--max-message-bytes", "1048576", "--warmup-dtypes", "none", "--busy-poll-us", "0") as server:
+        yield server
+
+
+def _refused(server, method, request):
+    """The call's status code, and the server's log line of it."""
+    import time
+    with grpc.insecure_channel(server.target, options=[("grpc.max_receive_message_length", 1 << 30)]) as channel:
+        try:
+            getattr(_stub(channel), method)(request, timeout=30)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            code = exc.code()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [e for e in server.events if e.get("event") == "rpc" and e.get("rpc") == method]
+        if lines:
+            server.events.remove(lines[-1])
+            return code, lines[-1]
+        time.sleep(0.05)
+    return code, None
+
+
+@pytest.mark.parametrize("case", ["swiglu", "route_experts", "step"])
+def test_answer_over_the_message_limit_is_refused_before_the_work(small_server, case):
+    """Answers just over 1 MiB once framed, and a Step whose parts pass the limit together only:
+    RESOURCE_EXHAUSTED before any launch, logged and counted as such (they failed at send after
+    the work, logged as OK)."""
+    import torch
+    from logitserve.server.tensors import from_torch
+    from logitserve.v1 import logitserve_pb2 as pb
+    if case == "swiglu":
+        method, request = "Silu", pb.SiluRequest(x=from_torch(torch.ones(256, 1)), up=from_torch(torch.ones(1, 1024)))
+    elif case == "route_experts":
+        method = "RouteExperts"
+        request = pb.RouteExpertsRequest(gate_logits=from_torch(torch.zeros(512, 256, dtype=torch.float16)), k=256)
+    else:
+        method = "Step"
+        request = pb.StepRequest(  # two answers of 614 KB each
+            id="s", route_experts=pb.RouteExpertsRequest(gate_logits=from_torch(torch.zeros(300, 256)), k=256),
+            silu=pb.SiluRequest(x=from_torch(torch.ones(256, 1)), up=from_torch(torch.ones(1, 600))))
+    launches = _launches(small_server)
+    code, line = _refused(small_server, method, request)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert line is not None and line["status"] == "RESOURCE_EXHAUSTED", line
+    assert "--max-message-bytes" in line["reason"]
+    assert _launches(small_server) == launches, "the work was done before the refusal"
+
+
+def _launches(server) -> int:
+    from logitserve.v1 import logitserve_pb2 as pb
+    with grpc.insecure_channel(server.target) as channel:
+        return _stub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=10).stats.launches

@@ -15,7 +15,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 from ..staging import Staging, to_host
 from ..tensors import NOT_IN_PLACE, HostTensor, from_array, tensor_field
 from .batching import split, split_rows
-from .limits import Limits
+from .limits import Limits, answer_bytes
 from .resident import Outputs, device_inputs, launches_in_place, launches_together
 
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -31,6 +31,7 @@ class RouteExpertsCall:
     # The outputs to write into regions (output_regions), and the call's leases (server/regions/calls.py).
     outputs: Outputs | None = None
     regions: object = None
+    answer_size: int = 0  # the answer's message size (limits.answer_bytes)
 
     op = "route_experts"
 
@@ -45,11 +46,12 @@ class RouteExpertsCall:
         if not 1 <= msg.k <= experts:
             raise ValueError(f"{path}k: must be in [1, E] with E = {experts} experts (gate_logits.shape[1]), "
                              f"got {msg.k}")
-        limits.check_output(f"{path}gate_logits", (g.shape[0], msg.k), 8)  # float32 weights + int32 indices
         shape = (g.shape[0], msg.k)
-        outputs = Outputs.of(msg, "RouteExperts", regions, path, {"weights": (torch.float32, shape),
-                                                                  "indices": (torch.int32, shape)})
-        return cls(g, msg.k, msg.renormalize, outputs, regions)
+        shapes = {"weights": (torch.float32, shape), "indices": (torch.int32, shape)}
+        outputs = Outputs.of(msg, "RouteExperts", regions, path, shapes)
+        size = answer_bytes(pb.RouteExpertsResponse, shapes, outputs)
+        limits.check_answer(f"{path}gate_logits", size)
+        return cls(g, msg.k, msg.renormalize, outputs, regions, size)
 
     @property
     def inputs(self) -> tuple:
