@@ -28,6 +28,7 @@ from .busy_poll import BusyPollEventLoop
 from .config import ServerConfig
 from .device import DeviceHandle
 from .guard import Guard, GuardedRegistrar, status_for
+from .held import HeldAnswers
 from .logs import get_logger, log_event
 from .metrics import Metrics
 from .occupancy import Occupancy
@@ -77,6 +78,7 @@ class Service:
                                metrics=self.metrics, calls_in_server=lambda: self.occupancy.calls,
                                on_failure=self._after_failed_launch)
         self.metrics.queue_depth.set_function(lambda: self.batcher.queue_depth)
+        self.held = HeldAnswers(config.max_held_answer_bytes, config.max_held_answer_bytes_per_connection)
         self.health = health.aio.HealthServicer()
         self.draining = False
         self.device_lost = False
@@ -93,6 +95,8 @@ class Service:
             # auth (UNAUTHENTICATED when wrong), larger ones are always RESOURCE_EXHAUSTED.
             ("grpc.max_metadata_size", METADATA_LIMIT_BYTES),
             ("grpc.absolute_max_metadata_size", METADATA_LIMIT_BYTES),
+            ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+            ("grpc.max_allowed_incoming_connections", config.max_connections),
         ])
         guarded = GuardedRegistrar(self.server, guard, request_parsers())
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)

@@ -86,6 +86,13 @@ FLAGS = (
      "(0: none)"),
     ("--max-region-bytes", int, _D.max_region_bytes, "bytes of shared-memory regions mapped at once, all clients "
      "together"),
+    ("--max-held-answer-bytes", int, _D.max_held_answer_bytes, "bytes of answers held for unfinished (or "
+     "unread) calls, all connections together; past it RESOURCE_EXHAUSTED before the work"),
+    ("--max-held-answer-bytes-per-connection", int, _D.max_held_answer_bytes_per_connection,
+     "bytes of answers held for one connection's unfinished (or unread) calls"),
+    ("--max-streams-per-connection", int, _D.max_streams_per_connection,
+     "calls (HTTP/2 streams) open at once on one connection"),
+    ("--max-connections", int, _D.max_connections, "client connections open at once; newer ones are closed"),
     ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
     ("--log-level", str, _D.log_level, f"one of {', '.join(LOG_LEVELS)}"),
 )

@@ -74,6 +74,16 @@ class ServerConfig:
     # turns registration off (RESOURCE_EXHAUSTED).
     max_regions: int = 256
     max_region_bytes: int = 16 << 30
+    # Bytes of answers held for calls not yet finished (computing, or sent to a client that does
+    # not read them), all connections together and per connection (server/held.py); past
+    # either, RESOURCE_EXHAUSTED before the work.
+    max_held_answer_bytes: int = 2 << 30
+    max_held_answer_bytes_per_connection: int = 512 << 20
+    # HTTP/2 streams (calls) open at once on one connection (gRPC's grpc.max_concurrent_streams),
+    # and connections at once (grpc.max_allowed_incoming_connections; beyond it new ones are
+    # closed at once).
+    max_streams_per_connection: int = 100
+    max_connections: int = 512
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0
     log_level: str = "info"
@@ -83,7 +93,9 @@ class ServerConfig:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: must be in [0, 65535] (0 = off), got {self.metrics_port}")
-        for name in ("max_batch_rows", "max_queue", "max_message_bytes", "max_vocab", "max_rows", "workers"):
+        for name in ("max_batch_rows", "max_queue", "max_message_bytes", "max_vocab", "max_rows", "workers",
+                     "max_held_answer_bytes", "max_held_answer_bytes_per_connection", "max_streams_per_connection",
+                     "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_delay_us < 0:

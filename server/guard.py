@@ -121,18 +121,23 @@ async def _parsed_stream(requests, parse):
 
 def _rebuild(handler: grpc.RpcMethodHandler, unary, stream, parse=None) -> grpc.RpcMethodHandler:
     """A handler like ``handler`` whose behaviour is wrapped by the ``unary`` / ``stream``
-    factories (each called with the behaviour and the request parser: ``parse`` when given,
-    else the handler's own deserializer). gRPC hands the wrapped behaviour raw bytes: they are
-    parsed only once the call is admitted (token checked)."""
+    factories (each called with the behaviour, the request parser: ``parse`` when given, else
+    the handler's own deserializer, and the response serializer). gRPC hands the wrapped
+    behaviour raw bytes: they are parsed only once the call is admitted (token checked). A
+    wrapper that serializes its answers itself (``serializes``) gets no serializer from gRPC."""
     parse = parse or handler.request_deserializer
-    kw = dict(request_deserializer=None, response_serializer=handler.response_serializer)
+    serialize = handler.response_serializer
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary, parse), **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream, parse), **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary, parse), **kw)
-    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream, parse), **kw)
+        kind, behaviour, factory = grpc.unary_unary_rpc_method_handler, handler.unary_unary, unary
+    elif handler.unary_stream:
+        kind, behaviour, factory = grpc.unary_stream_rpc_method_handler, handler.unary_stream, stream
+    elif handler.stream_unary:
+        kind, behaviour, factory = grpc.stream_unary_rpc_method_handler, handler.stream_unary, unary
+    else:
+        kind, behaviour, factory = grpc.stream_stream_rpc_method_handler, handler.stream_stream, stream
+    wrapped = factory(behaviour, parse, serialize)
+    return kind(wrapped, request_deserializer=None,
+                response_serializer=None if getattr(wrapped, "serializes", False) else serialize)
 
 
 class Guard:
@@ -200,47 +205,57 @@ class Guard:
                 log_event(log, "fault", level=logging.ERROR, exc_info=exc, request_id=record.request_id, rpc=rpc)
             await context.abort(record.code, message)
 
-        def unary(behaviour, parse):
+        def unary(behaviour, parse, serialize, writes=False):
+            """``writes``: a streaming behaviour written as a coroutine that calls
+            context.write(), which gRPC serializes."""
             async def wrapped(request, context):
                 t0 = time.perf_counter()
                 record, metadata = admit(context)
                 try:
-                    return self._sendable(await behaviour(check(metadata, request, parse), context))
+                    response = await behaviour(check(metadata, request, parse), context)
+                    return response if writes else self._sendable(response, serialize)
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - mapped to a status, never lost
                     await ended_by(exc, record, context)
                 finally:
                     self._finish(record, t0)
+            wrapped.serializes = not writes
             return wrapped
 
-        def stream(behaviour, parse):
+        def stream(behaviour, parse, serialize):
             if not inspect.isasyncgenfunction(behaviour):
                 # A streaming handler written as a coroutine that calls context.write() (the
                 # health service's Watch): wrapped like a unary one.
-                return unary(behaviour, parse)
+                return unary(behaviour, parse, serialize, writes=True)
 
             async def wrapped(request, context):
                 t0 = time.perf_counter()
                 record, metadata = admit(context)
                 try:
                     async for response in behaviour(check(metadata, request, parse), context):
-                        yield self._sendable(response)
+                        yield self._sendable(response, serialize)
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - as in unary
                     await ended_by(exc, record, context)
                 finally:
                     self._finish(record, t0)
+            wrapped.serializes = True
             return wrapped
 
         return _rebuild(handler, unary, stream, parse)
 
-    def _sendable(self, response):
-        """``response``, if gRPC will send it (its size within --max-message-bytes)."""
+    def _sendable(self, response, serialize):
+        """``response`` serialized (by ``serialize``), if gRPC will send it (its size within
+        --max-message-bytes). Serialized here, the message and its result tensors are freed as
+        the handler returns: gRPC then holds only these bytes and its own copy of them while the
+        answer waits for the client to read it (not the message as well)."""
+        if response is None:
+            return None
         limit = self._max_message_bytes
-        if limit is not None and response is not None and hasattr(response, "ByteSize"):
+        if limit is not None and hasattr(response, "ByteSize"):
             size = response.ByteSize()
             if size > limit:
                 raise TooLarge(f"the answer is a {size}-byte message, over this server's message limit of "
                                f"{limit} (--max-message-bytes)")
-        return response
+        return serialize(response) if serialize is not None else response
 
     def _finish(self, record: CallRecord, t0: float) -> None:
         if record.counted and self._occupancy is not None:

@@ -88,6 +88,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         try:
             call = op.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes, regions=regions)
             note_rows(call.rows)
+            self._service.held.hold_until_done(context, call.answer_size)
             result = await self._service.batcher.submit(call, timeout=context.time_remaining())
             return result.to_pb()  # writes the outputs into system regions: before the leases go
         finally:
@@ -109,12 +110,18 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     async def Silu(self, request: Received, context):
         return await self._run(ops.SiluCall, request, context)
 
-    async def _step(self, request: Received, context) -> pb.StepResponse:
+    async def _step(self, request: Received, context, held=None) -> pb.StepResponse:
+        """One step's answer; its bytes are held (server/held.py) until the RPC ends, or, with
+        ``held`` (a list), until the caller calls the function appended to it."""
         regions = self._regions(context)
         try:
             step = ops.StepCall.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes,
                                         regions=regions)
             note_rows(step.rows)
+            if held is None:
+                self._service.held.hold_until_done(context, step.answer_size)
+            else:
+                held.append(self._service.held.hold(context.peer() or "", step.answer_size))
             timeout = context.time_remaining()
             submits = {name: self._service.batcher.submit(call, timeout=timeout) for name, call in step.calls.items()}
             return ops.StepResult(step.id, await _all(submits)).to_pb()
@@ -129,7 +136,14 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         async for request in request_iterator:
             if self._service.draining:
                 raise Draining("server is draining; reopen the stream on another replica")
-            yield await self._step(request, context)
+            held = []
+            try:
+                # The generator resumes once gRPC has taken the answer (written it, as the
+                # client's receive window allows): that step's bytes are held until then.
+                yield await self._step(request, context, held)
+            finally:
+                for release in held:
+                    release()
 
     async def GetServerInfo(self, request, context):
         return self._service.info().to_pb()

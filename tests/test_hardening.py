@@ -129,3 +129,83 @@ def _launches(server) -> int:
     from logitserve.v1 import logitserve_pb2 as pb
     with grpc.insecure_channel(server.target) as channel:
         return _stub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=10).stats.launches
+
+
+# --- answers held for clients that do not read them ------------------------------------------
+
+def _rpc_lines(server, n, timeout=60.0):
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [e for e in server.events if e.get("event") == "rpc" and e.get("rpc") in ("Silu", "Step")]
+        if len(lines) >= n:
+            return lines
+        time.sleep(0.05)
+    raise AssertionError(f"{len(lines)} rpc lines, wanted {n}")
+
+
+def _swiglu_request(rows=1024, width=1024) -> bytes:
+    """A 128 KB request whose answer is rows * width float32 (4 MiB by default)."""
+    import torch
+    from logitserve.server.tensors import from_torch
+    from logitserve.v1 import logitserve_pb2 as pb
+    return pb.SiluRequest(x=from_torch(torch.ones(rows, 1)), up=from_torch(torch.ones(1, width))).SerializeToString()
+
+
+SILU = "/logitserve.v1.LogitServe/Silu"
+
+
+def test_unread_answers_are_bounded_server_wide():
+    """Four connections each send one call with a 40 MiB answer and never read: with
+    --max-held-answer-bytes 50 MiB one is answered, three get RESOURCE_EXHAUSTED before the
+    work, and RSS grows by under 150 MiB (before: each answer held about three times and nothing
+    bounded them, +510 MiB). Once those clients leave, the bytes are free again."""
+    from raw_h2 import StuckClient
+    import time
+    import torch
+    from logitserve.client import Client
+    with ServerProcess("--max-held-answer-bytes", str(50 << 20), "--warmup-dtypes", "none",
+                       "--busy-poll-us", "0", "--log-level", "debug") as server:
+        request = _swiglu_request(1024, 10240)
+        with Client(server.target) as client:  # the first call's own memory (torch's code paths) first
+            client.swiglu(torch.ones(4, 1), torch.ones(1, 4))
+        server.events.clear()
+        time.sleep(0.5)
+        before = server.rss_kib()
+        stuck = [StuckClient("127.0.0.1", server.port) for _ in range(4)]
+        for client in stuck:
+            client.call(SILU, request)
+        lines = _rpc_lines(server, 4)
+        time.sleep(1)
+        grown = (server.rss_kib() - before) / 1024
+        print(f"4 unread 40 MiB answers: RSS +{grown:.1f} MiB")
+        codes = sorted(line["status"] for line in lines)
+        assert codes == ["OK"] + ["RESOURCE_EXHAUSTED"] * 3, codes
+        assert all("--max-held-answer-bytes" in l["reason"] for l in lines if l["status"] != "OK")
+        assert grown < 150, f"RSS grew {grown:.1f} MiB"
+        for client in stuck:
+            client.close()
+        time.sleep(1)
+        with Client(server.target) as client:
+            out = client.swiglu(torch.ones(1024, 1), torch.ones(1, 10240))
+        assert out.shape == (1024, 10240)
+
+
+def test_unread_answers_are_bounded_per_connection():
+    """One connection sends three calls with 4 MiB answers and reads none: with
+    --max-held-answer-bytes-per-connection 10 MiB the third is RESOURCE_EXHAUSTED before the
+    work; another connection is still served."""
+    from raw_h2 import StuckClient
+    with ServerProcess("--max-held-answer-bytes-per-connection", str(10 << 20), "--warmup-dtypes", "none",
+                       "--busy-poll-us", "0", "--log-level", "debug") as server:
+        stuck = StuckClient("127.0.0.1", server.port)
+        for _ in range(3):
+            stuck.call(SILU, _swiglu_request())
+        lines = _rpc_lines(server, 3)
+        assert sorted(line["status"] for line in lines) == ["OK", "OK", "RESOURCE_EXHAUSTED"]
+        assert any("--max-held-answer-bytes-per-connection" in line.get("reason", "") for line in lines)
+        import torch
+        from logitserve.client import Client
+        with Client(server.target) as client:
+            assert client.swiglu(torch.ones(1024, 1), torch.ones(1, 1024)).shape == (1024, 1024)
+        stuck.close()
