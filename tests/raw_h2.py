@@ -40,7 +40,7 @@ class StuckClient:
         self.sock = socket.create_connection((host, port), timeout=10)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         self.sock.sendall(PREFACE + _frame(SETTINGS, 0, 0, b""))
-        self.sock.recv(4096)  # the server's settings
+        self.first = self.sock.recv(4096)  # the server's settings, or b"" if it closed the connection
         self.sock.sendall(_frame(SETTINGS, ACK, 0, b""))
         self.metadata = metadata or {}
         self.next_stream = 1
@@ -57,6 +57,15 @@ class StuckClient:
             frames.append(_frame(DATA, END_STREAM if last else 0, stream, body[i:i + 16384]))
         self.sock.sendall(b"".join(frames))
         return stream
+
+    def settings(self) -> dict[int, int]:
+        """The server's first SETTINGS frame: identifier -> value."""
+        data = self.first
+        length, kind = int.from_bytes(data[:3], "big"), data[3]
+        assert kind == SETTINGS, kind
+        payload = data[9:9 + length]
+        return {int.from_bytes(payload[i:i + 2], "big"): int.from_bytes(payload[i + 2:i + 6], "big")
+                for i in range(0, len(payload), 6)}
 
     def close(self) -> None:
         self.sock.close()

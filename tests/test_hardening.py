@@ -209,3 +209,28 @@ def test_unread_answers_are_bounded_per_connection():
         with Client(server.target) as client:
             assert client.swiglu(torch.ones(1024, 1), torch.ones(1, 1024)).shape == (1024, 1024)
         stuck.close()
+
+
+def test_streams_per_connection_and_connections_are_bounded():
+    """--max-streams-per-connection is the SETTINGS_MAX_CONCURRENT_STREAMS the server announces
+    (before: none, unbounded); past --max-connections a new connection is closed at once."""
+    import socket
+    import time
+    from raw_h2 import StuckClient
+    with ServerProcess("--max-streams-per-connection", "7", "--max-connections", "3", "--warmup-dtypes", "none",
+                       "--busy-poll-us", "0") as server:
+        first = StuckClient("127.0.0.1", server.port)
+        assert first.settings().get(0x3) == 7
+        others = [StuckClient("127.0.0.1", server.port) for _ in range(2)]
+        time.sleep(0.2)
+        refused = 0
+        for _ in range(3):
+            try:
+                extra = StuckClient("127.0.0.1", server.port)
+                refused += extra.first == b""
+                extra.close()
+            except (ConnectionError, socket.timeout):
+                refused += 1
+        assert refused == 3
+        for client in (first, *others):
+            client.close()
