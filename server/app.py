@@ -42,6 +42,12 @@ log = get_logger("server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LogitServe"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _DTYPES_BY_NAME = {str(t).removeprefix("torch."): t for t in TORCH_DTYPES.values()}
+# After the drain's grace period: how long the calls still running get to answer UNAVAILABLE,
+# and how long the launch under way gets to end before the process exits without it. A process
+# exits at most grace + STOP_ANSWER_S + STOP_LAUNCH_S (+ gRPC's and the interpreter's own stop,
+# well under a second) after SIGTERM, whatever runs on the device (docs/SERVICE.md).
+STOP_ANSWER_S = 1.0
+STOP_LAUNCH_S = 2.0
 # Largest request header block (the authorization token travels there).
 METADATA_LIMIT_BYTES = 16 * 1024
 
@@ -71,7 +77,7 @@ class Service:
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
         self.occupancy = Occupancy()  # counted by the guard; read by the batcher and busy polling
-        guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens, occupancy=self.occupancy,
+        self.guard = guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens, occupancy=self.occupancy,
                       max_message_bytes=config.max_message_bytes)
         self.batcher = Batcher(self.handle, max_batch_rows=config.max_batch_rows,
                                max_delay_s=config.max_delay_us * 1e-6, max_queue=config.max_queue,
@@ -82,6 +88,9 @@ class Service:
         self.health = health.aio.HealthServicer()
         self.draining = False
         self.device_lost = False
+        # Set by stop() when the launch under way outlived the drain (a CPU launch longer than the
+        # grace period): the process should exit without waiting for it (cli.serve does).
+        self.launch_abandoned = False
         self._stopped: asyncio.Event | None = None
 
         limit = config.max_message_bytes
@@ -162,13 +171,35 @@ class Service:
         self._stopped = asyncio.Event()
         grace = self.config.grace_period_s if grace is None else grace
         log_event(log, "draining", grace_s=grace, queued=self.batcher.queue_depth)
+        loop = asyncio.get_running_loop()
         self.draining = True
         self.batcher.flush()
+        # Health says NOT_SERVING (to open Watch streams as well) and keeps answering for the whole
+        # grace period: gRPC's own stop would refuse every new RPC, health checks included.
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
-        await self.batcher.close()
-        await asyncio.to_thread(self.handle.close)
-        self.regions.close()  # every call has ended: nothing holds a lease, every region is unmapped
+        deadline = loop.time() + grace
+        while self.guard.running and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        unanswered = self.guard.end_calls()
+        if unanswered:
+            # They end UNAVAILABLE (never CANCELLED) before gRPC stops.
+            log_event(log, "grace period over", level=logging.WARNING, unanswered=unanswered)
+            end = loop.time() + STOP_ANSWER_S
+            while self.guard.running and loop.time() < end:
+                await asyncio.sleep(0.01)
+        await self.server.stop(0)
+        end = loop.time() + STOP_LAUNCH_S
+
+        async def close_device():  # the batcher waits for the launch under way, then the device thread
+            await self.batcher.close()
+            await asyncio.to_thread(self.handle.close)
+        closing = asyncio.ensure_future(close_device())
+        done, _ = await asyncio.wait({closing}, timeout=max(0.0, end - loop.time()))
+        if not done:
+            self.launch_abandoned = True
+            log_event(log, "launch still running at exit", level=logging.WARNING, waited_s=STOP_LAUNCH_S)
+        else:
+            self.regions.close()  # every call has ended: nothing holds a lease, every region is unmapped
         self.metrics.close()
         log_event(log, "stopped", launches=self.batcher.launches, requests=self.batcher.batched_requests,
                   regions_mapped=self.regions.mapped_count)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -149,6 +150,12 @@ async def serve(config: ServerConfig) -> int:
     await service.stop(config.grace_period_s)
     if not warm.done():
         warm.cancel()
+    if service.launch_abandoned:
+        # The launch thread would hold the interpreter's exit until it ends (a CPU launch can take
+        # minutes): leave now, as promised (grace + a stated bound).
+        for handler in logging.getLogger("logitserve").handlers:
+            handler.flush()
+        os._exit(0)
     return 0
 
 

@@ -163,6 +163,10 @@ class Guard:
         # Counts calls admitted and not yet finished (enter() / leave(); occupancy.Occupancy),
         # if given.
         self._occupancy = occupancy
+        # The tasks of the calls admitted and not finished (health checks aside), and whether
+        # the drain's grace period is over: those still running then end UNAVAILABLE.
+        self._tasks: set[asyncio.Task] = set()
+        self._grace_over = False
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler, parse=None) -> grpc.RpcMethodHandler:
         """``handler`` guarded; ``parse``, when given, deserializes its requests instead of the
@@ -175,8 +179,10 @@ class Guard:
             """The call's record (set as the current one) and its metadata."""
             metadata = _metadata(context)
             record = CallRecord(rpc, metadata.get(REQUEST_ID_KEY) or _new_request_id(), counted=not exempt)
-            if record.counted and self._occupancy is not None:
-                self._occupancy.enter()
+            if record.counted:
+                if self._occupancy is not None:
+                    self._occupancy.enter()
+                self._tasks.add(asyncio.current_task())
             # Runs inside the handler's task: the record it sets is that call's alone.
             _current.set(record)
             context.set_trailing_metadata(((REQUEST_ID_KEY, record.request_id),))
@@ -194,8 +200,12 @@ class Guard:
             """Record how a call that raised ``exc`` ended. A cancellation (the client left) and
             gRPC's own abort are re-raised; anything else is answered with its status."""
             if isinstance(exc, asyncio.CancelledError):
-                record.code = grpc.StatusCode.CANCELLED
-                raise exc
+                if not (self._grace_over and record.counted):
+                    record.code = grpc.StatusCode.CANCELLED
+                    raise exc
+                # Cancelled by end_calls(): the drain's grace period ended before the answer.
+                exc = Draining("server stopped: the drain's grace period ended before this call was answered; "
+                               "retry on another replica")
             if isinstance(exc, grpc.aio.AbortError):
                 record.code = context.code() or grpc.StatusCode.UNKNOWN
                 raise exc
@@ -257,9 +267,25 @@ class Guard:
                                f"{limit} (--max-message-bytes)")
         return serialize(response) if serialize is not None else response
 
+    def end_calls(self) -> int:
+        """The drain's grace period is over: every call still running ends UNAVAILABLE (never
+        CANCELLED: clients retry UNAVAILABLE elsewhere). Returns how many were running."""
+        self._grace_over = True
+        tasks = [t for t in self._tasks if not t.done()]
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
+
+    @property
+    def running(self) -> int:
+        """Calls admitted and not finished (health checks aside)."""
+        return len(self._tasks)
+
     def _finish(self, record: CallRecord, t0: float) -> None:
-        if record.counted and self._occupancy is not None:
-            self._occupancy.leave()
+        if record.counted:
+            if self._occupancy is not None:
+                self._occupancy.leave()
+            self._tasks.discard(asyncio.current_task())
         # Metrics and the log line wait for the loop's next turn: the answer is on its way by then
         # (gRPC sends it as the handler returns), and the caller does not wait for them.
         asyncio.get_running_loop().call_soon(self._report, record, time.perf_counter() - t0)

@@ -234,3 +234,56 @@ def test_streams_per_connection_and_connections_are_bounded():
         assert refused == 3
         for client in (first, *others):
             client.close()
+
+
+# --- drain --------------------------------------------------------------------------------
+
+def test_drain_keeps_health_answering_ends_calls_unavailable_and_exits_in_bound():
+    """SIGTERM with --grace-period-s 1 while a launch takes 20 s and three calls wait behind it:
+    an open channel's Health/Check answers NOT_SERVING during the grace period (before: SERVING,
+    then UNAVAILABLE), every call ends UNAVAILABLE (before: CANCELLED), and the process exits 0
+    within grace + 4 s (before: after the 20 s launch)."""
+    import threading
+    import time
+    import numpy as np
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from logitserve.client import Client, LogitServeError
+    server = ServerProcess("--max-batch-rows", "1", "--grace-period-s", "1", "--warmup-dtypes", "none",
+                           "--busy-poll-us", "0", launch_delay_ms=20_000)
+    outcomes = {}
+    try:
+        def call(i):
+            with Client(server.target, retries=0, timeout=60) as c:
+                try:
+                    c.softmax(np.ones((1, 4), np.float32))
+                    outcomes[i] = "OK"
+                except LogitServeError as exc:
+                    outcomes[i] = exc.code.name
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # one launching (20 s), three waiting
+        with grpc.insecure_channel(server.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+            t0 = time.monotonic()
+            server.proc.send_signal(15)
+            statuses = []
+            while time.monotonic() - t0 < 0.8:
+                try:
+                    statuses.append(health.Check(health_pb2.HealthCheckRequest(), timeout=1).status)
+                except grpc.RpcError as exc:
+                    statuses.append(exc.code().name)
+                time.sleep(0.1)
+        code = server.proc.wait(30)
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+    finally:
+        server.close()
+    print([(e["ts"], e["event"]) for e in server.events if e["event"] != "rpc"][-6:])
+    assert code == 0
+    print(f"drain: exit {took:.1f} s after SIGTERM (grace 1 s), calls {sorted(outcomes.values())}, health {statuses}")
+    assert statuses and all(s == health_pb2.HealthCheckResponse.NOT_SERVING for s in statuses), statuses
+    assert sorted(outcomes.values()) == ["UNAVAILABLE"] * 4, outcomes
+    assert took < 1 + 4, f"exited {took:.1f} s after SIGTERM"
