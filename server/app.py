@@ -60,6 +60,15 @@ def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
+class StartupError(RuntimeError, ValueError):
+    """The server cannot start; the message names the flag (and the port) to fix."""
+
+
+def _named(exc: Exception, message: str) -> Exception:
+    """``exc`` again, of its kind (OSError for a missing file), with the message naming the flag."""
+    return type(exc)(message) if isinstance(exc, OSError) else StartupError(message)
+
+
 class Service:
     """The running service: device handle, batcher, gRPC server, health, metrics."""
 
@@ -68,14 +77,20 @@ class Service:
         self.version = __version__
         self.limits = ops.Limits(max_rows=config.max_rows, max_vocab=config.max_vocab,
                                  max_output_bytes=config.max_message_bytes)
-        self.handle = DeviceHandle(config.resolved_device, config.backend, config.cuda_graphs)
+        try:
+            self.handle = DeviceHandle(config.resolved_device, config.backend, config.cuda_graphs)
+        except Exception as exc:  # noqa: BLE001 - whatever torch raises for a device it cannot use
+            raise StartupError(f"--device {config.resolved_device}: cannot use it ({type(exc).__name__}: {exc})") from exc
         # Shared-memory regions of every client; CUDA ones only on this server's device.
         device = self.handle.device
         self.regions = RegionRegistry(config.max_regions, config.max_region_bytes,
                                       devices=(device.index,) if device.type == "cuda" else ())
         self.metrics = Metrics()
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
-        self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
+        try:
+            self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
+        except (OSError, ValueError) as exc:
+            raise _named(exc, f"--auth-token-file {config.auth_token_file}: {exc}") from exc
         self.occupancy = Occupancy()  # counted by the guard; read by the batcher and busy polling
         self.guard = guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens, occupancy=self.occupancy,
                       max_message_bytes=config.max_message_bytes)
@@ -117,9 +132,16 @@ class Service:
                                                reflection.SERVICE_NAME)), guarded)
         host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
         address = f"{host}:{config.port}"
-        creds = _server_credentials(config)
-        self.port = (self.server.add_secure_port(address, creds) if creds is not None
-                     else self.server.add_insecure_port(address))
+        try:
+            creds = _server_credentials(config)
+        except (OSError, ValueError) as exc:
+            raise _named(exc, f"--tls-cert / --tls-key / --tls-client-ca: {exc}") from exc
+        try:
+            self.port = (self.server.add_secure_port(address, creds) if creds is not None
+                         else self.server.add_insecure_port(address))
+        except RuntimeError as exc:
+            raise StartupError(f"--port {config.port}: cannot listen on {address} (in use, or --host "
+                               f"{config.host} is not an address of this host): {exc}") from exc
         self.tls = creds is not None
 
     async def start(self) -> None:
@@ -134,7 +156,11 @@ class Service:
         self.batcher.start()
         await self.server.start()
         if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port, self.config.host)
+            try:
+                self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+            except OSError as exc:
+                raise StartupError(f"--metrics-port {self.config.metrics_port}: cannot serve /metrics on "
+                                   f"{self.config.metrics_host}:{self.config.metrics_port}: {exc}") from exc
         log_event(log, "listening", port=self.port, tls=self.tls, mutual_tls=self.config.tls_client_ca is not None,
                   auth=self.tokens is not None, metrics_port=self.config.metrics_port or None,
                   busy_poll_us=busy_poll_us, **self.handle.properties)

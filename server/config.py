@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 DEFAULT_PORT = 50051
@@ -65,6 +66,8 @@ class ServerConfig:
     reuse_port: bool = False
     # Prometheus metrics over HTTP on this port (worker i of --workers: this port + i); 0 turns them off.
     metrics_port: int = 0
+    # Address /metrics listens on: loopback unless asked (it needs no token).
+    metrics_host: str = "127.0.0.1"
     # How long the event loop polls for the next call before it sleeps, in us (server/busy_poll.py);
     # 0: it sleeps at once. Only while the server serves a lone client (no overlapping calls for
     # 50 ms), so a loaded server sleeps as before.
@@ -108,8 +111,8 @@ class ServerConfig:
             raise ValueError(f"max_region_bytes: must be >= 0, got {self.max_region_bytes}")
         if self.busy_poll_us < 0:
             raise ValueError(f"busy_poll_us: must be >= 0 (0: off), got {self.busy_poll_us}")
-        if self.grace_period_s < 0:
-            raise ValueError(f"grace_period_s: must be >= 0, got {self.grace_period_s}")
+        if not (math.isfinite(self.grace_period_s) and self.grace_period_s >= 0):
+            raise ValueError(f"grace_period_s: must be a finite number >= 0, got {self.grace_period_s}")
         if self.backend not in ("auto", "triton", "interpret", "torch"):
             raise ValueError(f"backend: must be one of auto, triton, interpret, torch, got {self.backend!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -124,6 +127,7 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca: needs tls_cert and tls_key (mutual TLS is TLS first)")
+        object.__setattr__(self, "log_level", self.log_level.lower())  # DEBUG is debug
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 

@@ -43,6 +43,9 @@ log = get_logger("rpc")
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REQUEST_ID_KEY = "x-request-id"
+# Longest x-request-id accepted (it is echoed in the trailers and logged); a longer one is
+# INVALID_ARGUMENT before any work, answered under a fresh id.
+MAX_REQUEST_ID = 128
 
 _STATUS = (
     ((RegionNotFound,), grpc.StatusCode.NOT_FOUND),
@@ -178,7 +181,11 @@ class Guard:
         def admit(context):
             """The call's record (set as the current one) and its metadata."""
             metadata = _metadata(context)
-            record = CallRecord(rpc, metadata.get(REQUEST_ID_KEY) or _new_request_id(), counted=not exempt)
+            given = metadata.get(REQUEST_ID_KEY)
+            if given is not None and len(given) > MAX_REQUEST_ID:
+                metadata["__long_request_id"] = str(len(given))
+                given = None
+            record = CallRecord(rpc, given or _new_request_id(), counted=not exempt)
             if record.counted:
                 if self._occupancy is not None:
                     self._occupancy.enter()
@@ -194,6 +201,9 @@ class Guard:
                 raise Draining("server is draining; retry on another replica")
             if tokens is not None and not tokens.check(metadata.get("authorization")):
                 raise Unauthenticated("missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
+            if "__long_request_id" in metadata:
+                raise ValueError(f"{REQUEST_ID_KEY}: at most {MAX_REQUEST_ID} characters, got "
+                                 f"{metadata['__long_request_id']}")
             return _parsed(request, parse)
 
         async def ended_by(exc: BaseException, record: CallRecord, context) -> None:
