@@ -45,7 +45,7 @@ _DTYPES_BY_NAME = {str(t).removeprefix("torch."): t for t in TORCH_DTYPES.values
 # After the drain's grace period: how long the calls still running get to answer UNAVAILABLE,
 # and how long the launch under way gets to end before the process exits without it. A process
 # exits at most grace + STOP_ANSWER_S + STOP_LAUNCH_S (+ gRPC's and the interpreter's own stop,
-# well under a second) after SIGTERM, whatever runs on the device (docs/SERVICE.md).
+# well under a second) after SIGTERM, whatever runs on the device (docs/DESIGN.md, Drain).
 STOP_ANSWER_S = 1.0
 STOP_LAUNCH_S = 2.0
 # Largest request header block (the authorization token travels there).
