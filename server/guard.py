@@ -46,6 +46,9 @@ REQUEST_ID_KEY = "x-request-id"
 # Longest x-request-id accepted (it is echoed in the trailers and logged); a longer one is
 # INVALID_ARGUMENT before any work, answered under a fresh id.
 MAX_REQUEST_ID = 128
+# Where admit() notes an over-long id in the call's metadata dict: gRPC delivers lowercase keys
+# only, so no client can send it.
+_LONG_ID = "Long-Request-Id"
 
 _STATUS = (
     ((RegionNotFound,), grpc.StatusCode.NOT_FOUND),
@@ -183,7 +186,7 @@ class Guard:
             metadata = _metadata(context)
             given = metadata.get(REQUEST_ID_KEY)
             if given is not None and len(given) > MAX_REQUEST_ID:
-                metadata["__long_request_id"] = str(len(given))
+                metadata[_LONG_ID] = str(len(given))
                 given = None
             record = CallRecord(rpc, given or _new_request_id(), counted=not exempt)
             if record.counted:
@@ -201,9 +204,9 @@ class Guard:
                 raise Draining("server is draining; retry on another replica")
             if tokens is not None and not tokens.check(metadata.get("authorization")):
                 raise Unauthenticated("missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
-            if "__long_request_id" in metadata:
+            if _LONG_ID in metadata:
                 raise ValueError(f"{REQUEST_ID_KEY}: at most {MAX_REQUEST_ID} characters, got "
-                                 f"{metadata['__long_request_id']}")
+                                 f"{metadata[_LONG_ID]}")
             return _parsed(request, parse)
 
         async def ended_by(exc: BaseException, record: CallRecord, context) -> None:
