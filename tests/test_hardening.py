@@ -415,3 +415,14 @@ def test_failed_call_log_line_has_code_reason_and_rows(thread_server, caplog):
     fields = [r.fields for r in caplog.records if r.getMessage() == "rpc"][-1]
     assert fields["status"] == "RESOURCE_EXHAUSTED" and fields["code"] == 8 and fields["rows"] == 6
     assert "--max-rows" in fields["reason"]
+
+
+def test_help_imports_no_torch():
+    """``logitserve serve --help`` answers without importing torch (it took 2-3 s)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import sys\nfrom logitserve.server import cli\n"
+                          "try:\n    cli.parse(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+                          "print('torch' in sys.modules, file=sys.stderr)"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stderr.strip().splitlines()[-1] == "False", out.stderr
