@@ -426,3 +426,14 @@ def test_help_imports_no_torch():
                           "print('torch' in sys.modules, file=sys.stderr)"],
                          capture_output=True, text=True, timeout=60)
     assert out.stderr.strip().splitlines()[-1] == "False", out.stderr
+
+
+def test_every_log_line_names_its_worker():
+    """Under --workers 2 every JSON line says which process wrote it (a worker's index, or the
+    supervisor); before, none did."""
+    import time
+    with ServerProcess("--workers", "2", "--warmup-dtypes", "none", "--busy-poll-us", "0") as server:
+        time.sleep(1)
+        events = list(server.events)
+    assert events and all("worker" in e for e in events), [e for e in events if "worker" not in e][:3]
+    assert {e["worker"] for e in events} >= {"supervisor", "0"}
