@@ -437,3 +437,26 @@ def test_every_log_line_names_its_worker():
         events = list(server.events)
     assert events and all("worker" in e for e in events), [e for e in events if "worker" not in e][:3]
     assert {e["worker"] for e in events} >= {"supervisor", "0"}
+
+
+def test_header_only_streams_do_not_pin_memory():
+    """30,000 header-only streams (no body, never ended) on one connection, no token: RSS grows
+    under 30 MiB (before: +90 MiB, every stream accepted and kept); the default
+    --max-streams-per-connection (100) refuses the rest."""
+    import time
+    from raw_h2 import END_HEADERS, HEADERS, StuckClient, _frame, _header
+    with ServerProcess("--warmup-dtypes", "none", "--busy-poll-us", "0") as server:
+        time.sleep(0.5)
+        before = server.rss_kib()
+        client = StuckClient("127.0.0.1", server.port)
+        block = b"".join(_header(k, v) for k, v in (
+            (":method", "POST"), (":scheme", "http"), (":path", "/logitserve.v1.LogitServe/Softmax"),
+            (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")))
+        for start in range(0, 30_000, 1000):
+            client.sock.sendall(b"".join(_frame(HEADERS, END_HEADERS, 1 + 2 * i, block)
+                                         for i in range(start, start + 1000)))
+        time.sleep(3)
+        grown = (server.rss_kib() - before) / 1024
+        client.close()
+    print(f"30,000 header-only streams: RSS +{grown:.1f} MiB")
+    assert grown < 30, f"RSS grew {grown:.1f} MiB"
