@@ -1,6 +1,6 @@
 # logitserve: the gRPC service in an image.
 #
-#   docker build -t logitserve .
+#   docker build -t logitserve .                       # or: podman build --format docker -t logitserve .
 #   docker run --gpus all -p 50051:50051 logitserve                      # serve on cuda:0
 #   docker run -p 50051:50051 logitserve serve --port 50051 --device cpu  # no GPU
 #
@@ -13,19 +13,23 @@
 #
 # pip settings for the build (a private index, a proxy's CA bundle, a local wheel folder) are
 # build arguments, never baked into the image: an ARG is set as an environment variable for
-# the RUN steps below only, and pip reads PIP_* variables (empty ones are ignored):
+# the RUN steps below only, and pip reads PIP_* variables (the RUN steps unset empty ones, so an
+# argument not given neither changes pip's settings nor makes it warn):
 #
 #   podman build --format docker --build-arg BASE_IMAGE=localhost/bookworm-base \
 #     -v /opt/wheels:/run/build/wheels:ro --build-arg PIP_FIND_LINKS=/run/build/wheels \
 #     -v /etc/ssl/certs/ca-certificates.crt:/run/build/ca.crt:ro --build-arg PIP_CERT=/run/build/ca.crt \
 #     -t logitserve .
 #
+# --format docker keeps the HEALTHCHECK under podman (its default OCI format drops it); the base
+# image is named in full (docker.io/...), as podman resolves no short names by default.
+#
 # Mount under /run (a tmpfs during RUN: no empty mount point stays in the image), and not over
 # /etc/ssl/certs/ca-certificates.crt, which apt's ca-certificates rewrites on a bare base.
 # tests/test_container.py builds this way; scripts/container_base.sh makes that base. Build-
 # argument values are recorded in the image's history (`docker history`): never put
 # credentials in them; pass those as a secret mount instead.
-ARG BASE_IMAGE=pytorch/pytorch:2.10.0-cuda12.8-cudnn9-runtime
+ARG BASE_IMAGE=docker.io/pytorch/pytorch:2.10.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
 ARG PIP_INDEX_URL
@@ -43,6 +47,7 @@ ENV PYTHONUNBUFFERED=1 \
 # from apt. The virtual environment sees the base's site-packages, so a base's torch is used
 # as it is, and pip installs nothing over it.
 RUN set -eux; \
+    for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT; do [ -n "$(printenv "$v")" ] || unset "$v"; done; \
     if ! { command -v python3 >/dev/null 2>&1 && python3 -m venv --system-site-packages "$VIRTUAL_ENV"; }; then \
         rm -rf "$VIRTUAL_ENV"; \
         apt-get update; \
@@ -60,6 +65,7 @@ RUN set -eux; \
 # Python < 3.11, without tomllib, the next step installs them instead). torch is already here.
 COPY pyproject.toml /tmp/logitserve-deps/pyproject.toml
 RUN set -eux; \
+    for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT; do [ -n "$(printenv "$v")" ] || unset "$v"; done; \
     if python -c 'import tomllib' 2>/dev/null; then \
         python -c "import tomllib; print(*tomllib.load(open('/tmp/logitserve-deps/pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
             > /tmp/logitserve-deps/requirements.txt; \
@@ -71,6 +77,7 @@ RUN set -eux; \
 # protos/logitserve/v1/ onto logitserve.*). The source tree is not kept in the image.
 COPY . /tmp/logitserve-src
 RUN set -eux; \
+    for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT; do [ -n "$(printenv "$v")" ] || unset "$v"; done; \
     PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install /tmp/logitserve-src; \
     rm -rf /tmp/logitserve-src; \
     python -c 'import logitserve.server, logitserve.client, logitserve.kernels'; \

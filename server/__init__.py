@@ -13,8 +13,17 @@ docs/DESIGN.md.
 
 from __future__ import annotations
 
-from .app import Service, create_server
 from .config import ServerConfig
 from .version import __version__
 
 __all__ = ["ServerConfig", "Service", "__version__", "create_server"]
+
+
+def __getattr__(name: str):
+    """``Service`` and ``create_server`` import the app (and torch) when first used: ``logitserve
+    --help`` and ``logitserve version`` need neither."""
+    if name in ("Service", "create_server"):
+        from . import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,6 +28,7 @@ from .busy_poll import BusyPollEventLoop
 from .config import ServerConfig
 from .device import DeviceHandle
 from .guard import Guard, GuardedRegistrar, status_for
+from .held import HeldAnswers
 from .logs import get_logger, log_event
 from .metrics import Metrics
 from .occupancy import Occupancy
@@ -41,6 +42,12 @@ log = get_logger("server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LogitServe"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _DTYPES_BY_NAME = {str(t).removeprefix("torch."): t for t in TORCH_DTYPES.values()}
+# After the drain's grace period: how long the calls still running get to answer UNAVAILABLE,
+# and how long the launch under way gets to end before the process exits without it. A process
+# exits at most grace + STOP_ANSWER_S + STOP_LAUNCH_S (+ gRPC's and the interpreter's own stop,
+# well under a second) after SIGTERM, whatever runs on the device (docs/DESIGN.md, Drain).
+STOP_ANSWER_S = 1.0
+STOP_LAUNCH_S = 2.0
 # Largest request header block (the authorization token travels there).
 METADATA_LIMIT_BYTES = 16 * 1024
 
@@ -53,6 +60,15 @@ def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
+class StartupError(RuntimeError, ValueError):
+    """The server cannot start; the message names the flag (and the port) to fix."""
+
+
+def _named(exc: Exception, message: str) -> Exception:
+    """``exc`` again, of its kind (OSError for a missing file), with the message naming the flag."""
+    return type(exc)(message) if isinstance(exc, OSError) else StartupError(message)
+
+
 class Service:
     """The running service: device handle, batcher, gRPC server, health, metrics."""
 
@@ -61,24 +77,35 @@ class Service:
         self.version = __version__
         self.limits = ops.Limits(max_rows=config.max_rows, max_vocab=config.max_vocab,
                                  max_output_bytes=config.max_message_bytes)
-        self.handle = DeviceHandle(config.resolved_device, config.backend, config.cuda_graphs)
+        try:
+            self.handle = DeviceHandle(config.resolved_device, config.backend, config.cuda_graphs)
+        except Exception as exc:  # noqa: BLE001 - whatever torch raises for a device it cannot use
+            raise StartupError(f"--device {config.resolved_device}: cannot use it ({type(exc).__name__}: {exc})") from exc
         # Shared-memory regions of every client; CUDA ones only on this server's device.
         device = self.handle.device
         self.regions = RegionRegistry(config.max_regions, config.max_region_bytes,
                                       devices=(device.index,) if device.type == "cuda" else ())
         self.metrics = Metrics()
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
-        self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
+        try:
+            self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
+        except (OSError, ValueError) as exc:
+            raise _named(exc, f"--auth-token-file {config.auth_token_file}: {exc}") from exc
         self.occupancy = Occupancy()  # counted by the guard; read by the batcher and busy polling
-        guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens, occupancy=self.occupancy)
+        self.guard = guard = Guard(self.metrics, is_draining=lambda: self.draining, tokens=self.tokens, occupancy=self.occupancy,
+                      max_message_bytes=config.max_message_bytes)
         self.batcher = Batcher(self.handle, max_batch_rows=config.max_batch_rows,
                                max_delay_s=config.max_delay_us * 1e-6, max_queue=config.max_queue,
                                metrics=self.metrics, calls_in_server=lambda: self.occupancy.calls,
                                on_failure=self._after_failed_launch)
         self.metrics.queue_depth.set_function(lambda: self.batcher.queue_depth)
+        self.held = HeldAnswers(config.max_held_answer_bytes, config.max_held_answer_bytes_per_connection)
         self.health = health.aio.HealthServicer()
         self.draining = False
         self.device_lost = False
+        # Set by stop() when the launch under way outlived the drain (a CPU launch longer than the
+        # grace period): the process should exit without waiting for it (cli.serve does).
+        self.launch_abandoned = False
         self._stopped: asyncio.Event | None = None
 
         limit = config.max_message_bytes
@@ -92,6 +119,8 @@ class Service:
             # auth (UNAUTHENTICATED when wrong), larger ones are always RESOURCE_EXHAUSTED.
             ("grpc.max_metadata_size", METADATA_LIMIT_BYTES),
             ("grpc.absolute_max_metadata_size", METADATA_LIMIT_BYTES),
+            ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+            ("grpc.max_allowed_incoming_connections", config.max_connections),
         ])
         guarded = GuardedRegistrar(self.server, guard, {**request_parsers(), **kserve.request_parsers()})
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)
@@ -104,9 +133,16 @@ class Service:
                                                HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)), guarded)
         host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
         address = f"{host}:{config.port}"
-        creds = _server_credentials(config)
-        self.port = (self.server.add_secure_port(address, creds) if creds is not None
-                     else self.server.add_insecure_port(address))
+        try:
+            creds = _server_credentials(config)
+        except (OSError, ValueError) as exc:
+            raise _named(exc, f"--tls-cert / --tls-key / --tls-client-ca: {exc}") from exc
+        try:
+            self.port = (self.server.add_secure_port(address, creds) if creds is not None
+                         else self.server.add_insecure_port(address))
+        except RuntimeError as exc:
+            raise StartupError(f"--port {config.port}: cannot listen on {address} (in use, or --host "
+                               f"{config.host} is not an address of this host): {exc}") from exc
         self.tls = creds is not None
 
     async def start(self) -> None:
@@ -121,7 +157,11 @@ class Service:
         self.batcher.start()
         await self.server.start()
         if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port, self.config.host)
+            try:
+                self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+            except OSError as exc:
+                raise StartupError(f"--metrics-port {self.config.metrics_port}: cannot serve /metrics on "
+                                   f"{self.config.metrics_host}:{self.config.metrics_port}: {exc}") from exc
         log_event(log, "listening", port=self.port, tls=self.tls, mutual_tls=self.config.tls_client_ca is not None,
                   auth=self.tokens is not None, metrics_port=self.config.metrics_port or None,
                   busy_poll_us=busy_poll_us, **self.handle.properties)
@@ -158,13 +198,35 @@ class Service:
         self._stopped = asyncio.Event()
         grace = self.config.grace_period_s if grace is None else grace
         log_event(log, "draining", grace_s=grace, queued=self.batcher.queue_depth)
+        loop = asyncio.get_running_loop()
         self.draining = True
         self.batcher.flush()
+        # Health says NOT_SERVING (to open Watch streams as well) and keeps answering for the whole
+        # grace period: gRPC's own stop would refuse every new RPC, health checks included.
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
-        await self.batcher.close()
-        await asyncio.to_thread(self.handle.close)
-        self.regions.close()  # every call has ended: nothing holds a lease, every region is unmapped
+        deadline = loop.time() + grace
+        while self.guard.running and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        unanswered = self.guard.end_calls()
+        if unanswered:
+            # They end UNAVAILABLE (never CANCELLED) before gRPC stops.
+            log_event(log, "grace period over", level=logging.WARNING, unanswered=unanswered)
+            end = loop.time() + STOP_ANSWER_S
+            while self.guard.running and loop.time() < end:
+                await asyncio.sleep(0.01)
+        await self.server.stop(0)
+        end = loop.time() + STOP_LAUNCH_S
+
+        async def close_device():  # the batcher waits for the launch under way, then the device thread
+            await self.batcher.close()
+            await asyncio.to_thread(self.handle.close)
+        closing = asyncio.ensure_future(close_device())
+        done, _ = await asyncio.wait({closing}, timeout=max(0.0, end - loop.time()))
+        if not done:
+            self.launch_abandoned = True
+            log_event(log, "launch still running at exit", level=logging.WARNING, waited_s=STOP_LAUNCH_S)
+        else:
+            self.regions.close()  # every call has ended: nothing holds a lease, every region is unmapped
         self.metrics.close()
         log_event(log, "stopped", launches=self.batcher.launches, requests=self.batcher.batched_requests,
                   regions_mapped=self.regions.mapped_count)

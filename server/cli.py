@@ -10,17 +10,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
+import re
 import signal
 import sys
 
 from .busy_poll import event_loop_factory
 from .config import FLOAT_DTYPE_NAMES, LOG_LEVELS, ServerConfig, default_device
-from .logs import configure, get_logger, log_event
+from .logs import WORKER_ENV, configure, get_logger, log_event
 from .version import __version__
 
 log = get_logger("cli")
 ENV_PREFIX = "LOGITSERVE_"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _warn_if_open(config: ServerConfig) -> None:
+    """A warning when anyone who can reach the address may call: not loopback, no TLS, no tokens."""
+    if config.host not in _LOOPBACK and not config.host.startswith("127.") and config.tls_cert is None \
+            and config.auth_token_file is None:
+        log_event(log, "serving without TLS or tokens on a non-loopback address", level=logging.WARNING,
+                  host=config.host, port=config.port,
+                  fix="--auth-token-file and --tls-cert/--tls-key, or --host 127.0.0.1 behind a proxy")
 
 
 def _dtype_list(text: str) -> tuple[str, ...]:
@@ -80,14 +92,23 @@ FLAGS = (
     ("--reuse-port", _switch, "on" if _D.reuse_port else "off",
      "let other processes bind the same port (set by --workers for its processes)"),
     ("--metrics-port", int, _D.metrics_port, "Prometheus /metrics port, worker i on this port + i (0: off)"),
+    ("--metrics-host", str, _D.metrics_host, "address /metrics listens on (no token needed there: loopback "
+     "unless a scraper elsewhere needs it)"),
     ("--busy-poll-us", int, _D.busy_poll_us, "how long the event loop polls for the next call before it sleeps "
      "(us; 0: it sleeps at once)"),
     ("--max-regions", int, _D.max_regions, "shared-memory regions mapped at once, all clients together "
      "(0: none)"),
     ("--max-region-bytes", int, _D.max_region_bytes, "bytes of shared-memory regions mapped at once, all clients "
      "together"),
+    ("--max-held-answer-bytes", int, _D.max_held_answer_bytes, "bytes of answers held for unfinished (or "
+     "unread) calls, all connections together; past it RESOURCE_EXHAUSTED before the work"),
+    ("--max-held-answer-bytes-per-connection", int, _D.max_held_answer_bytes_per_connection,
+     "bytes of answers held for one connection's unfinished (or unread) calls"),
+    ("--max-streams-per-connection", int, _D.max_streams_per_connection,
+     "calls (HTTP/2 streams) open at once on one connection"),
+    ("--max-connections", int, _D.max_connections, "client connections open at once; newer ones are closed"),
     ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
-    ("--log-level", str, _D.log_level, f"one of {', '.join(LOG_LEVELS)}"),
+    ("--log-level", str.lower, _D.log_level, f"one of {', '.join(LOG_LEVELS)} (any case)"),
 )
 
 
@@ -142,19 +163,44 @@ async def serve(config: ServerConfig) -> int:
     await service.stop(config.grace_period_s)
     if not warm.done():
         warm.cancel()
+    if service.launch_abandoned:
+        # The launch thread would hold the interpreter's exit until it ends (a CPU launch can take
+        # minutes): leave now, as promised (grace + a stated bound).
+        for handler in logging.getLogger("logitserve").handlers:
+            handler.flush()
+        os._exit(0)
     return 0
 
 
+def _in_flag_names(message: str, argv: list[str], environ) -> str:
+    """A ServerConfig error with its field names as the flags (``max_rows`` -> ``--max-rows``), or
+    as the environment variable where the value came from there and not from the command line."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+
+    def name(match: re.Match) -> str:
+        flag = "--" + match.group(0).replace("_", "-")
+        env = env_name(flag)
+        return f"{env} (--{flag[2:]})" if flag not in given and env in environ else flag
+    fields = sorted((flag.lstrip("-").replace("-", "_") for flag, *_ in FLAGS), key=len, reverse=True)
+    head, sep, rest = message.partition(":")
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, fields)) + r")\b")
+    # the field names before the colon (the subject); in the text only those with an underscore
+    underscored = re.compile(r"\b(" + "|".join(re.escape(f) for f in fields if "_" in f) + r")\b")
+    return pattern.sub(name, head) + sep + underscored.sub(name, rest)
+
+
 def parse(argv: list[str] | None = None, environ=os.environ) -> tuple[str, ServerConfig | None]:
-    """``(command, config)`` from the command line and environment; bad values exit 2 with usage."""
+    """``(command, config)`` from the command line and environment; bad values exit 2 with usage,
+    naming the flag (or the environment variable the value came from)."""
     parser = build_parser(environ)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command != "serve":
         return args.command, None
     try:
         return args.command, config_from_args(args)
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(_in_flag_names(str(exc), argv, environ))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "version":
         print(__version__)
         return 0
-    configure(config.log_level)
+    worker = os.environ.get(WORKER_ENV)
+    configure(config.log_level, worker=worker if worker is not None else ("supervisor" if config.workers > 1 else None))
+    _warn_if_open(config)
     if config.workers > 1:
         from .workers import run_workers
 
@@ -171,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         with asyncio.Runner(loop_factory=event_loop_factory(config.busy_poll_us)) as runner:
             return runner.run(serve(config))
     except (OSError, RuntimeError, ValueError) as exc:  # a taken port, a missing TLS file, no such GPU
-        log_event(log, "failed to start", error=str(exc))
+        # At error level (shown at every --log-level), naming the flag (app.StartupError).
+        log_event(log, "failed to start", level=logging.ERROR, error=str(exc))
         return 2
 
 

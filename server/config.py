@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 DEFAULT_PORT = 50051
@@ -65,6 +66,8 @@ class ServerConfig:
     reuse_port: bool = False
     # Prometheus metrics over HTTP on this port (worker i of --workers: this port + i); 0 turns them off.
     metrics_port: int = 0
+    # Address /metrics listens on: loopback unless asked (it needs no token).
+    metrics_host: str = "127.0.0.1"
     # How long the event loop polls for the next call before it sleeps, in us (server/busy_poll.py);
     # 0: it sleeps at once. Only while the server serves a lone client (no overlapping calls for
     # 50 ms), so a loaded server sleeps as before.
@@ -74,6 +77,16 @@ class ServerConfig:
     # turns registration off (RESOURCE_EXHAUSTED).
     max_regions: int = 256
     max_region_bytes: int = 16 << 30
+    # Bytes of answers held for calls not yet finished (computing, or sent to a client that does
+    # not read them), all connections together and per connection (server/held.py); past
+    # either, RESOURCE_EXHAUSTED before the work.
+    max_held_answer_bytes: int = 2 << 30
+    max_held_answer_bytes_per_connection: int = 512 << 20
+    # HTTP/2 streams (calls) open at once on one connection (gRPC's grpc.max_concurrent_streams),
+    # and connections at once (grpc.max_allowed_incoming_connections; beyond it new ones are
+    # closed at once).
+    max_streams_per_connection: int = 100
+    max_connections: int = 512
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0
     log_level: str = "info"
@@ -83,7 +96,9 @@ class ServerConfig:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: must be in [0, 65535] (0 = off), got {self.metrics_port}")
-        for name in ("max_batch_rows", "max_queue", "max_message_bytes", "max_vocab", "max_rows", "workers"):
+        for name in ("max_batch_rows", "max_queue", "max_message_bytes", "max_vocab", "max_rows", "workers",
+                     "max_held_answer_bytes", "max_held_answer_bytes_per_connection", "max_streams_per_connection",
+                     "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_delay_us < 0:
@@ -96,8 +111,8 @@ class ServerConfig:
             raise ValueError(f"max_region_bytes: must be >= 0, got {self.max_region_bytes}")
         if self.busy_poll_us < 0:
             raise ValueError(f"busy_poll_us: must be >= 0 (0: off), got {self.busy_poll_us}")
-        if self.grace_period_s < 0:
-            raise ValueError(f"grace_period_s: must be >= 0, got {self.grace_period_s}")
+        if not (math.isfinite(self.grace_period_s) and self.grace_period_s >= 0):
+            raise ValueError(f"grace_period_s: must be a finite number >= 0, got {self.grace_period_s}")
         if self.backend not in ("auto", "triton", "interpret", "torch"):
             raise ValueError(f"backend: must be one of auto, triton, interpret, torch, got {self.backend!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -112,6 +127,7 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca: needs tls_cert and tls_key (mutual TLS is TLS first)")
+        object.__setattr__(self, "log_level", self.log_level.lower())  # DEBUG is debug
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 

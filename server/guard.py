@@ -43,6 +43,12 @@ log = get_logger("rpc")
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REQUEST_ID_KEY = "x-request-id"
+# Longest x-request-id accepted (it is echoed in the trailers and logged); a longer one is
+# INVALID_ARGUMENT before any work, answered under a fresh id.
+MAX_REQUEST_ID = 128
+# Where admit() notes an over-long id in the call's metadata dict: gRPC delivers lowercase keys
+# only, so no client can send it.
+_LONG_ID = "Long-Request-Id"
 
 _STATUS = (
     ((RegionNotFound,), grpc.StatusCode.NOT_FOUND),
@@ -72,6 +78,7 @@ class CallRecord:
     counted: bool  # in the occupancy the guard counts calls in (health checks are not)
     rows: int = 0
     code: grpc.StatusCode = grpc.StatusCode.OK
+    reason: str = ""  # a failed call's status message
 
 
 _current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("logitserve_call", default=None)
@@ -98,55 +105,45 @@ def _new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ids):08x}"
 
 
-class _Undecodable:
-    """Request bytes that do not parse as the method's message: answered INVALID_ARGUMENT after
-    authentication, so a caller without a valid token learns nothing of its request (gRPC
-    itself would answer UNKNOWN for a unary call and the stream would end INTERNAL)."""
-
-    def __init__(self, error: Exception):
-        self.error = error
-
-
-def _tolerant(deserializer):
-    """``deserializer``, returning :class:`_Undecodable` instead of raising on malformed bytes."""
-    if deserializer is None:
-        return None
-
-    def deserialize(data: bytes):
-        try:
-            return deserializer(data)
-        except Exception as exc:  # noqa: BLE001 - DecodeError, or anything a corrupt message raises
-            return _Undecodable(exc)
-    return deserialize
-
-
-def _decoded(request):
-    """``request`` (a message, or a stream of them) with undecodable messages raising ValueError."""
-    if isinstance(request, _Undecodable):
-        raise ValueError(f"request: not a valid protobuf message for this method ({request.error})")
+def _parsed(request, parse):
+    """``request`` (raw bytes, or a stream of them) parsed by ``parse``; bytes that do not parse
+    as the method's message raise ValueError (INVALID_ARGUMENT). Runs after the token check, so a
+    caller without a valid token costs no parsing and learns nothing of its request (gRPC itself
+    would answer UNKNOWN for a unary call and the stream would end INTERNAL)."""
+    if parse is None:
+        return request
     if hasattr(request, "__aiter__"):
-        return _decoded_stream(request)
-    return request
+        return _parsed_stream(request, parse)
+    try:
+        return parse(request)
+    except Exception as exc:  # noqa: BLE001 - DecodeError, or anything a corrupt message raises
+        raise ValueError(f"request: not a valid protobuf message for this method ({exc})") from None
 
 
-async def _decoded_stream(requests):
+async def _parsed_stream(requests, parse):
     async for request in requests:
-        yield _decoded(request)
+        yield _parsed(request, parse)
 
 
 def _rebuild(handler: grpc.RpcMethodHandler, unary, stream, parse=None) -> grpc.RpcMethodHandler:
     """A handler like ``handler`` whose behaviour is wrapped by the ``unary`` / ``stream``
-    factories and whose requests are parsed tolerantly (:class:`_Undecodable`), by ``parse``
-    when given, else by the handler's own deserializer."""
-    kw = dict(request_deserializer=_tolerant(parse or handler.request_deserializer),
-              response_serializer=handler.response_serializer)
+    factories (each called with the behaviour, the request parser: ``parse`` when given, else
+    the handler's own deserializer, and the response serializer). gRPC hands the wrapped
+    behaviour raw bytes: they are parsed only once the call is admitted (token checked). A
+    wrapper that serializes its answers itself (``serializes``) gets no serializer from gRPC."""
+    parse = parse or handler.request_deserializer
+    serialize = handler.response_serializer
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
-    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kw)
+        kind, behaviour, factory = grpc.unary_unary_rpc_method_handler, handler.unary_unary, unary
+    elif handler.unary_stream:
+        kind, behaviour, factory = grpc.unary_stream_rpc_method_handler, handler.unary_stream, stream
+    elif handler.stream_unary:
+        kind, behaviour, factory = grpc.stream_unary_rpc_method_handler, handler.stream_unary, unary
+    else:
+        kind, behaviour, factory = grpc.stream_stream_rpc_method_handler, handler.stream_stream, stream
+    wrapped = factory(behaviour, parse, serialize)
+    return kind(wrapped, request_deserializer=None,
+                response_serializer=None if getattr(wrapped, "serializes", False) else serialize)
 
 
 class Guard:
@@ -160,13 +157,22 @@ class Guard:
     Failures log at warning, faults at error.
     """
 
-    def __init__(self, metrics=None, is_draining=lambda: False, tokens=None, occupancy=None):
+    def __init__(self, metrics=None, is_draining=lambda: False, tokens=None, occupancy=None,
+                 max_message_bytes: int | None = None):
         self._metrics = metrics
+        # gRPC's send limit (--max-message-bytes): an answer over it is refused here, logged and
+        # counted as RESOURCE_EXHAUSTED, instead of failing inside gRPC after the handler returned
+        # (which the log and metrics would count as OK).
+        self._max_message_bytes = max_message_bytes
         self._is_draining = is_draining
         self._tokens = tokens
         # Counts calls admitted and not yet finished (enter() / leave(); occupancy.Occupancy),
         # if given.
         self._occupancy = occupancy
+        # The tasks of the calls admitted and not finished (health checks aside), and whether
+        # the drain's grace period is over: those still running then end UNAVAILABLE.
+        self._tasks: set[asyncio.Task] = set()
+        self._grace_over = False
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler, parse=None) -> grpc.RpcMethodHandler:
         """``handler`` guarded; ``parse``, when given, deserializes its requests instead of the
@@ -178,71 +184,121 @@ class Guard:
         def admit(context):
             """The call's record (set as the current one) and its metadata."""
             metadata = _metadata(context)
-            record = CallRecord(rpc, metadata.get(REQUEST_ID_KEY) or _new_request_id(), counted=not exempt)
-            if record.counted and self._occupancy is not None:
-                self._occupancy.enter()
+            given = metadata.get(REQUEST_ID_KEY)
+            if given is not None and len(given) > MAX_REQUEST_ID:
+                metadata[_LONG_ID] = str(len(given))
+                given = None
+            record = CallRecord(rpc, given or _new_request_id(), counted=not exempt)
+            if record.counted:
+                if self._occupancy is not None:
+                    self._occupancy.enter()
+                self._tasks.add(asyncio.current_task())
             # Runs inside the handler's task: the record it sets is that call's alone.
             _current.set(record)
             context.set_trailing_metadata(((REQUEST_ID_KEY, record.request_id),))
             return record, metadata
 
-        def check(metadata, request):
-            """The request, decoded, once the call may go on."""
+        def check(metadata, request, parse):
+            """The request, parsed, once the call may go on (token first, then any per-call work)."""
             if not exempt and self._is_draining():
                 raise Draining("server is draining; retry on another replica")
             if tokens is not None and not tokens.check(metadata.get("authorization")):
                 raise Unauthenticated("missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
-            return _decoded(request)
+            if _LONG_ID in metadata:
+                raise ValueError(f"{REQUEST_ID_KEY}: at most {MAX_REQUEST_ID} characters, got "
+                                 f"{metadata[_LONG_ID]}")
+            return _parsed(request, parse)
 
         async def ended_by(exc: BaseException, record: CallRecord, context) -> None:
             """Record how a call that raised ``exc`` ended. A cancellation (the client left) and
             gRPC's own abort are re-raised; anything else is answered with its status."""
             if isinstance(exc, asyncio.CancelledError):
-                record.code = grpc.StatusCode.CANCELLED
-                raise exc
+                if not (self._grace_over and record.counted):
+                    record.code = grpc.StatusCode.CANCELLED
+                    raise exc
+                # Cancelled by end_calls(): the drain's grace period ended before the answer.
+                exc = Draining("server stopped: the drain's grace period ended before this call was answered; "
+                               "retry on another replica")
             if isinstance(exc, grpc.aio.AbortError):
                 record.code = context.code() or grpc.StatusCode.UNKNOWN
                 raise exc
             record.code, message = status_for(exc)
+            record.reason = message
             if record.code == grpc.StatusCode.INTERNAL:
                 log_event(log, "fault", level=logging.ERROR, exc_info=exc, request_id=record.request_id, rpc=rpc)
             await context.abort(record.code, message)
 
-        def unary(behaviour):
+        def unary(behaviour, parse, serialize, writes=False):
+            """``writes``: a streaming behaviour written as a coroutine that calls
+            context.write(), which gRPC serializes."""
             async def wrapped(request, context):
                 t0 = time.perf_counter()
                 record, metadata = admit(context)
                 try:
-                    return await behaviour(check(metadata, request), context)
+                    response = await behaviour(check(metadata, request, parse), context)
+                    return response if writes else self._sendable(response, serialize)
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - mapped to a status, never lost
                     await ended_by(exc, record, context)
                 finally:
                     self._finish(record, t0)
+            wrapped.serializes = not writes
             return wrapped
 
-        def stream(behaviour):
+        def stream(behaviour, parse, serialize):
             if not inspect.isasyncgenfunction(behaviour):
                 # A streaming handler written as a coroutine that calls context.write() (the
                 # health service's Watch): wrapped like a unary one.
-                return unary(behaviour)
+                return unary(behaviour, parse, serialize, writes=True)
 
             async def wrapped(request, context):
                 t0 = time.perf_counter()
                 record, metadata = admit(context)
                 try:
-                    async for response in behaviour(check(metadata, request), context):
-                        yield response
+                    async for response in behaviour(check(metadata, request, parse), context):
+                        yield self._sendable(response, serialize)
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - as in unary
                     await ended_by(exc, record, context)
                 finally:
                     self._finish(record, t0)
+            wrapped.serializes = True
             return wrapped
 
         return _rebuild(handler, unary, stream, parse)
 
+    def _sendable(self, response, serialize):
+        """``response`` serialized (by ``serialize``), if gRPC will send it (its size within
+        --max-message-bytes). Serialized here, the message and its result tensors are freed as
+        the handler returns: gRPC then holds only these bytes and its own copy of them while the
+        answer waits for the client to read it (not the message as well)."""
+        if response is None:
+            return None
+        limit = self._max_message_bytes
+        if limit is not None and hasattr(response, "ByteSize"):
+            size = response.ByteSize()
+            if size > limit:
+                raise TooLarge(f"the answer is a {size}-byte message, over this server's message limit of "
+                               f"{limit} (--max-message-bytes)")
+        return serialize(response) if serialize is not None else response
+
+    def end_calls(self) -> int:
+        """The drain's grace period is over: every call still running ends UNAVAILABLE (never
+        CANCELLED: clients retry UNAVAILABLE elsewhere). Returns how many were running."""
+        self._grace_over = True
+        tasks = [t for t in self._tasks if not t.done()]
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
+
+    @property
+    def running(self) -> int:
+        """Calls admitted and not finished (health checks aside)."""
+        return len(self._tasks)
+
     def _finish(self, record: CallRecord, t0: float) -> None:
-        if record.counted and self._occupancy is not None:
-            self._occupancy.leave()
+        if record.counted:
+            if self._occupancy is not None:
+                self._occupancy.leave()
+            self._tasks.discard(asyncio.current_task())
         # Metrics and the log line wait for the loop's next turn: the answer is on its way by then
         # (gRPC sends it as the handler returns), and the caller does not wait for them.
         asyncio.get_running_loop().call_soon(self._report, record, time.perf_counter() - t0)
@@ -251,24 +307,31 @@ class Guard:
         if self._metrics is not None:
             self._metrics.observe_rpc(record.rpc, record.code.name, seconds)
         level = logging.DEBUG if record.code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else logging.WARNING
+        failed = {"code": record.code.value[0], "reason": record.reason} if record.reason else {}
         log_event(log, "rpc", level=level, request_id=record.request_id, rpc=record.rpc, rows=record.rows,
-                  status=record.code.name, latency_ms=round(seconds * 1e3, 3))
+                  status=record.code.name, latency_ms=round(seconds * 1e3, 3), **failed)
 
 
 class _GuardedGenericHandler(grpc.GenericRpcHandler):
-    """A generic handler whose method handlers are wrapped by ``guard`` (once per method)."""
+    """A generic handler whose method handlers are wrapped by ``guard`` (once per method).
+
+    Only methods the inner handler knows are kept: a path it does not know (a client may send
+    any, of any length, before any token check) is answered UNIMPLEMENTED by gRPC and leaves
+    nothing behind here."""
 
     def __init__(self, inner: grpc.GenericRpcHandler, guard: Guard, parsers: dict):
         self._inner, self._guard, self._parsers = inner, guard, parsers
-        self._by_method: dict[str, grpc.RpcMethodHandler | None] = {}
+        self._by_method: dict[str, grpc.RpcMethodHandler] = {}
 
     def service(self, handler_call_details):
         method = handler_call_details.method
-        if method not in self._by_method:
+        wrapped = self._by_method.get(method)
+        if wrapped is None:
             handler = self._inner.service(handler_call_details)
-            self._by_method[method] = (None if handler is None
-                                       else self._guard.wrap(method, handler, self._parsers.get(method)))
-        return self._by_method[method]
+            if handler is None:
+                return None
+            wrapped = self._by_method[method] = self._guard.wrap(method, handler, self._parsers.get(method))
+        return wrapped
 
 
 class GuardedRegistrar:

@@ -12,28 +12,38 @@ import sys
 import time
 
 _ROOT = "logitserve"
+# Set by --workers for each worker process: its index, written into every log line ("worker").
+WORKER_ENV = "LOGITSERVE_WORKER_INDEX"
 
 
 class JsonFormatter(logging.Formatter):
-    """Formats a record as one JSON line: time, level, logger, event, then the event's fields."""
+    """Formats a record as one JSON line: time, level, logger, [worker,] event, then the event's
+    fields. ``worker``: the process's index under --workers (or "supervisor")."""
+
+    def __init__(self, worker: str | None = None):
+        super().__init__()
+        self.worker = worker
 
     def format(self, record: logging.LogRecord) -> str:
         line = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "event": record.getMessage(),
         }
+        if self.worker is not None:
+            line["worker"] = self.worker
+        line["event"] = record.getMessage()
         line.update(getattr(record, "fields", {}))
         if record.exc_info:
             line["traceback"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
 
 
-def configure(level: str = "info", stream=None) -> None:
-    """Send the ``logitserve`` loggers to ``stream`` (stderr) as JSON lines at ``level``."""
+def configure(level: str = "info", stream=None, worker: str | None = None) -> None:
+    """Send the ``logitserve`` loggers to ``stream`` (stderr) as JSON lines at ``level``, each
+    with ``worker`` when given."""
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(JsonFormatter(worker))
     root = logging.getLogger(_ROOT)
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

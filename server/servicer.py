@@ -60,6 +60,19 @@ def request_parsers() -> dict[str, Callable[[bytes], Received]]:
     return parsers
 
 
+def _claimed_rows(message) -> int:
+    """The rows a request's tensors claim by their shapes (for the log line of a call that failed
+    validation): prod(shape[:-1]) of each operator's first tensor."""
+    if isinstance(message, pb.StepRequest):
+        return sum(_claimed_rows(getattr(message, name)) for name in ops.STEP_OPS if message.HasField(name))
+    for name in _TENSORS.get(type(message), ())[:1]:
+        rows = 1
+        for d in getattr(message, name).shape[:-1]:
+            rows *= d
+        return rows if len(getattr(message, name).shape) else 0
+    return 0
+
+
 async def _all(aws: dict[str, object]) -> dict[str, object]:
     """Await every awaitable of ``aws``; on the first failure cancel the rest and raise it."""
     tasks = {name: asyncio.ensure_future(aw) for name, aw in aws.items()}
@@ -86,8 +99,14 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     async def _run(self, op, request: Received, context):
         regions = self._regions(context)
         try:
-            call = op.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes, regions=regions)
+            try:
+                call = op.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes,
+                                  regions=regions)
+            except Exception:
+                note_rows(_claimed_rows(request.message))
+                raise
             note_rows(call.rows)
+            self._service.held.hold_until_done(context, call.answer_size)
             result = await self._service.batcher.submit(call, timeout=context.time_remaining())
             return result.to_pb()  # writes the outputs into system regions: before the leases go
         finally:
@@ -109,12 +128,22 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     async def Silu(self, request: Received, context):
         return await self._run(ops.SiluCall, request, context)
 
-    async def _step(self, request: Received, context) -> pb.StepResponse:
+    async def _step(self, request: Received, context, held=None) -> pb.StepResponse:
+        """One step's answer; its bytes are held (server/held.py) until the RPC ends, or, with
+        ``held`` (a list), until the caller calls the function appended to it."""
         regions = self._regions(context)
         try:
-            step = ops.StepCall.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes,
-                                        regions=regions)
+            try:
+                step = ops.StepCall.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes,
+                                            regions=regions)
+            except Exception:
+                note_rows(_claimed_rows(request.message))
+                raise
             note_rows(step.rows)
+            if held is None:
+                self._service.held.hold_until_done(context, step.answer_size)
+            else:
+                held.append(self._service.held.hold(context.peer() or "", step.answer_size))
             timeout = context.time_remaining()
             submits = {name: self._service.batcher.submit(call, timeout=timeout) for name, call in step.calls.items()}
             return ops.StepResult(step.id, await _all(submits)).to_pb()
@@ -129,7 +158,14 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         async for request in request_iterator:
             if self._service.draining:
                 raise Draining("server is draining; reopen the stream on another replica")
-            yield await self._step(request, context)
+            held = []
+            try:
+                # The generator resumes once gRPC has taken the answer (written it, as the
+                # client's receive window allows): that step's bytes are held until then.
+                yield await self._step(request, context, held)
+            finally:
+                for release in held:
+                    release()
 
     async def GetServerInfo(self, request, context):
         return self._service.info().to_pb()

@@ -14,6 +14,7 @@ and the supervisor exits with its code, for the orchestrator to restart the whol
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import sys
 import time
 
 from .config import ServerConfig
-from .logs import get_logger, log_event
+from .logs import WORKER_ENV, get_logger, log_event
 
 log = get_logger("workers")
 
@@ -46,7 +47,8 @@ def run_workers(config: ServerConfig) -> int:
     for i in range(config.workers):
         worker = config.replace(workers=1, reuse_port=True, port=port,
                                 metrics_port=config.metrics_port + i if config.metrics_port else 0)
-        workers.append(subprocess.Popen([sys.executable, "-m", "logitserve.server.cli", "serve", *worker.to_argv()]))
+        workers.append(subprocess.Popen([sys.executable, "-m", "logitserve.server.cli", "serve", *worker.to_argv()],
+                                        env={**os.environ, WORKER_ENV: str(i)}))
     log_event(log, "workers started", port=port, pids=[w.pid for w in workers])
 
     stopping = False

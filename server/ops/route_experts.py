@@ -20,7 +20,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 from ..staging import Staging, to_host
 from ..tensors import NOT_IN_PLACE, HostTensor, from_array, tensor_field
 from .batching import split, split_rows
-from .limits import Limits
+from .limits import Limits, answer_bytes
 from .resident import Outputs, device_inputs, launches_in_place, launches_together
 
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -98,6 +98,7 @@ class RouteExpertsCall:
     outputs: Outputs | None = None
     regions: object = None
     router: Router = DEFAULT_ROUTER
+    answer_size: int = 0  # the answer's message size (limits.answer_bytes)
 
     op = "route_experts"
 
@@ -113,11 +114,12 @@ class RouteExpertsCall:
             raise ValueError(f"{path}k: must be in [1, E] with E = {experts} experts (gate_logits.shape[1]), "
                              f"got {msg.k}")
         router = Router.from_pb(msg, experts, msg.k, path)
-        limits.check_output(f"{path}gate_logits", (g.shape[0], msg.k), 8)  # float32 weights + int32 indices
         shape = (g.shape[0], msg.k)
-        outputs = Outputs.of(msg, "RouteExperts", regions, path, {"weights": (torch.float32, shape),
-                                                                  "indices": (torch.int32, shape)})
-        return cls(g, msg.k, msg.renormalize, outputs, regions, router)
+        shapes = {"weights": (torch.float32, shape), "indices": (torch.int32, shape)}
+        outputs = Outputs.of(msg, "RouteExperts", regions, path, shapes)
+        size = answer_bytes(pb.RouteExpertsResponse, shapes, outputs)
+        limits.check_answer(f"{path}gate_logits", size)
+        return cls(g, msg.k, msg.renormalize, outputs, regions, router, size)
 
     @property
     def inputs(self) -> tuple:

@@ -22,7 +22,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 from ..staging import Staging, to_host
 from ..tensors import FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, pack, rows_values, tensor_field
 from .batching import split, split_rows
-from .limits import Limits
+from .limits import Limits, answer_bytes
 from .resident import Outputs, device_inputs, launches_in_place, launches_together
 
 # The wire's filter orders by enum value, unset meaning the first (the kernels' default).
@@ -112,6 +112,7 @@ class SampleCall:
     # The outputs to write into regions (output_regions), and the call's leases (server/regions/calls.py).
     outputs: Outputs | None = None
     regions: object = None
+    answer_size: int = 0  # the answer's message size (limits.answer_bytes)
 
     op = "sample"
 
@@ -126,11 +127,12 @@ class SampleCall:
         values = {p.name: _param(msg, p, rows, path, regions) for p in _CHECKED}
         if values["seed"] is None:
             values["seed"] = _draw_seeds(rows)
-        outputs = Outputs.of(msg, "Sample", regions, path, {"token_ids": (torch.int64, (rows,)),
-                                                            "seeds": (torch.int64, (rows,)),
-                                                            "valid": (torch.bool, (rows,))})
+        shapes = {"token_ids": (torch.int64, (rows,)), "seeds": (torch.int64, (rows,)), "valid": (torch.bool, (rows,))}
+        outputs = Outputs.of(msg, "Sample", regions, path, shapes)
+        size = answer_bytes(pb.SampleResponse, shapes, outputs)
+        limits.check_answer(f"{path}logits", size)
         call = cls(logits=logits, filter_order=WIRE_FILTER_ORDERS[msg.filter_order], outputs=outputs,
-                   regions=regions, **values)
+                   regions=regions, answer_size=size, **values)
         if call.random_val is not None and _any_nonzero(call.min_p):
             raise ValueError(f"{path}min_p: must be 0 with random_val (InfiniCore's random_sample has no min-p)")
         return call

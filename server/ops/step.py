@@ -8,7 +8,7 @@ from typing import Mapping
 from logitserve.v1 import logitserve_pb2 as pb
 
 from ..tensors import NOT_IN_PLACE
-from .limits import Limits
+from .limits import Limits, field_bytes
 from .route_experts import RouteExpertsCall
 from .sample import SampleCall
 from .tensor_ops import CausalSoftmaxCall, SiluCall, SoftmaxCall
@@ -45,7 +45,17 @@ class StepCall:
                  for name, op in STEP_OPS.items() if msg.HasField(name)}
         if not calls:
             raise ValueError(f"step: sets none of {', '.join(STEP_OPS)}")
-        return cls(msg.id, calls)
+        step = cls(msg.id, calls)
+        limits.check_answer("step", step.answer_size)
+        return step
+
+    @property
+    def answer_size(self) -> int:
+        """The StepResponse's message size: the id and every part's answer, framed."""
+        fields = pb.StepResponse.DESCRIPTOR.fields_by_name
+        id_bytes = len(self.id.encode())
+        return ((field_bytes(fields["id"].number, id_bytes) if id_bytes else 0)
+                + sum(field_bytes(fields[name].number, c.answer_size) for name, c in self.calls.items()))
 
     @property
     def rows(self) -> int:

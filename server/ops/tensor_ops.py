@@ -21,7 +21,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 from ..staging import to_host
 from ..tensors import FLOATS, NOT_IN_PLACE, HostTensor, decode, from_torch, tensor_field
 from .batching import split
-from .limits import MAX_RANK, Limits
+from .limits import MAX_RANK, Limits, answer_bytes
 from .resident import Outputs, device_inputs, launches_together
 
 
@@ -83,6 +83,7 @@ class SoftmaxCall(_LaunchedOnThread):
     dim: int
     outputs: Outputs | None = None
     regions: object = None  # the call's leases (server/regions/calls.py)
+    answer_size: int = 0  # the answer's message size (limits.answer_bytes)
 
     op = "softmax"
 
@@ -96,7 +97,10 @@ class SoftmaxCall(_LaunchedOnThread):
             raise ValueError(f"{path}dim: must be in [{-x.ndim}, {x.ndim}) for a rank-{x.ndim} x, got {dim}")
         dim %= x.ndim
         limits.check(f"{path}x", *_rows_and_width(tuple(x.shape), dim))
-        return cls(x, dim, _outputs(msg, "Softmax", regions, path, x.dtype, x.shape), regions)
+        outputs = _outputs(msg, "Softmax", regions, path, x.dtype, x.shape)
+        size = answer_bytes(pb.SoftmaxResponse, {"out": (x.dtype, tuple(x.shape))}, outputs)
+        limits.check_answer(f"{path}x", size)
+        return cls(x, dim, outputs, regions, size)
 
     @property
     def inputs(self) -> tuple:
@@ -133,6 +137,7 @@ class CausalSoftmaxCall(_LaunchedOnThread):
     x: HostTensor
     outputs: Outputs | None = None
     regions: object = None  # the call's leases (server/regions/calls.py)
+    answer_size: int = 0  # the answer's message size (limits.answer_bytes)
 
     op = "causal_softmax"
 
@@ -144,7 +149,10 @@ class CausalSoftmaxCall(_LaunchedOnThread):
         if t < s:
             raise ValueError(f"{path}x.shape: needs T >= S (every row sees a column), got S = {s}, T = {t}")
         limits.check(f"{path}x", x.numel() // t, t)
-        return cls(x, _outputs(msg, "CausalSoftmax", regions, path, x.dtype, x.shape), regions)
+        outputs = _outputs(msg, "CausalSoftmax", regions, path, x.dtype, x.shape)
+        size = answer_bytes(pb.CausalSoftmaxResponse, {"out": (x.dtype, tuple(x.shape))}, outputs)
+        limits.check_answer(f"{path}x", size)
+        return cls(x, outputs, regions, size)
 
     @property
     def inputs(self) -> tuple:
@@ -182,6 +190,7 @@ class SiluCall(_LaunchedOnThread):
     up: HostTensor | None
     outputs: Outputs | None = None
     regions: object = None  # the call's leases (server/regions/calls.py)
+    answer_size: int = 0  # the answer's message size (limits.answer_bytes)
 
     op = "silu"
 
@@ -202,8 +211,10 @@ class SiluCall(_LaunchedOnThread):
                 raise ValueError(f"{path}up.shape: {list(up.shape)} does not broadcast with x.shape "
                                  f"{list(x.shape)}") from None
         limits.check(f"{path}x", *_rows_and_width(shape, -1))
-        limits.check_output(f"{path}x", shape, x.element_size())
-        return cls(x, up, _outputs(msg, "Silu", regions, path, x.dtype, shape), regions)
+        outputs = _outputs(msg, "Silu", regions, path, x.dtype, shape)
+        size = answer_bytes(pb.SiluResponse, {"out": (x.dtype, shape)}, outputs)
+        limits.check_answer(f"{path}x", size)
+        return cls(x, up, outputs, regions, size)
 
     @property
     def inputs(self) -> tuple:
