@@ -1,0 +1,139 @@
+"""Logprobs of sampled tokens: for each row the log-probability and rank of the chosen token, and
+the top-n tokens (ties to the lower token id) with their log-probabilities.
+
+``raw`` mode: the log-softmax of the logits as given (before processors, temperature and
+filters), as vLLM's ``raw_logprobs``. A row whose token is -1 (invalid) gets a logprob of NaN
+and rank 0; its top-n are computed all the same (NaN logits read as -inf).
+
+``_logprobs`` is one Triton kernel, a program per row: one pass for the max, the softmax total
+(online, per lane) and the count of logits strictly above the chosen one (rank = that + 1), then
+one pass per top-n entry, each the largest (value, lowest id) strictly below the previous entry
+in that order. A separate launch after the draw: plain sampling never runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import launchable, resolve_backend
+from .params import LOGPROBS_MODES, MAX_LOGPROBS
+
+INT32_MAX = tl.constexpr(2147483647)
+
+
+@launchable
+@triton.jit(do_not_specialize=["n_cols"])
+def _logprobs(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_cs, n_cols,
+              N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, IS_F64: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_rs
+    ct: tl.constexpr = tl.float64 if IS_F64 else tl.float32
+    tok = tl.load(tok_ptr + row).to(tl.int64)
+    tok_ok = (tok >= 0) & (tok < n_cols)
+    xc = tl.load(x_row + tl.where(tok_ok, tok, 0) * x_cs).to(ct)
+    xc = tl.where(xc != xc, float("-inf"), xc)
+    m_l = tl.full([BLOCK], float("-inf"), ct)
+    s_l = tl.zeros([BLOCK], ct)
+    above = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n_cols, BLOCK):
+        col = start + tl.arange(0, BLOCK).to(tl.int64)
+        x = tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf")).to(ct)
+        x = tl.where(x != x, float("-inf"), x)
+        m_new = tl.maximum(m_l, x)
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_l = s_l * tl.exp(m_l - safe) + tl.exp(x - safe)
+        m_l = m_new
+        above += (x > xc).to(tl.int32)
+    m = tl.max(m_l, axis=0)
+    safe_m = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(s_l * tl.exp(m_l - safe_m), axis=0)
+    log_z = safe_m + tl.log(s)
+    lp = tl.where(tok_ok, xc - log_z, float("nan"))
+    tl.store(lp_ptr + row, lp.to(tl.float32))
+    tl.store(rank_ptr + row, tl.where(tok_ok, tl.sum(above, axis=0) + 1, 0).to(tl.int64))
+    # Top-n: each entry the largest (value, then lowest id) strictly after the previous one.
+    prev_v = tl.full([], float("inf"), ct)
+    prev_i = tl.full([], -1, tl.int64)
+    for j in tl.static_range(N):
+        bv = tl.full([BLOCK], float("-inf"), ct)
+        bi = tl.full([BLOCK], INT32_MAX, tl.int64)
+        for start in range(0, n_cols, BLOCK):
+            col = start + tl.arange(0, BLOCK).to(tl.int64)
+            x = tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf")).to(ct)
+            x = tl.where(x != x, float("-inf"), x)
+            after = (col < n_cols) & ((x < prev_v) | ((x == prev_v) & (col > prev_i)))
+            better = after & ((x > bv) | ((x == bv) & (col < bi)))
+            bv = tl.where(better, x, bv)
+            bi = tl.where(better, col, bi)
+        v = tl.max(bv, axis=0)
+        i = tl.min(tl.where(bv == v, bi, INT32_MAX), axis=0)
+        tl.store(top_i_ptr + row * N + j, tl.where(i < n_cols, i, -1))
+        tl.store(top_lp_ptr + row * N + j, (v - log_z).to(tl.float32))
+        prev_v = v
+        prev_i = i
+
+
+@dataclass
+class Logprobs:
+    """Per row: ``token_logprob`` float32 [B], ``token_rank`` int64 [B] (1 = most probable),
+    ``top_token_ids`` int64 [B, n], ``top_logprobs`` float32 [B, n] (descending, ties to the
+    lower id)."""
+
+    token_logprob: torch.Tensor
+    token_rank: torch.Tensor
+    top_token_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def check_logprobs(n, mode: str) -> None:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"logprobs must be an int or None, got {type(n).__name__}")
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {n}")
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")
+
+
+def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int = 0, *, mode: str = "raw",
+             backend: str = "auto") -> Logprobs:
+    """Logprobs of ``token_ids [B]`` under ``logits [B, V]`` and the top-``n`` (``n <= 20``).
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``(batch_size, vocab_size)``, any float dtype (float64 computes in float64).
+    token_ids : torch.Tensor
+        ``(batch_size,)`` int32 / int64, as ``sample`` returns them (-1: invalid row).
+    n : int
+        Top tokens a row, in [0, 20].
+    mode : ``"raw"``
+        The log-softmax of the logits as given.
+
+    Returns
+    -------
+    Logprobs
+    """
+    check_logprobs(n, mode)
+    n_rows, n_cols = logits.shape
+    dev = logits.device
+    out = Logprobs(torch.empty(n_rows, dtype=torch.float32, device=dev),
+                   torch.empty(n_rows, dtype=torch.int64, device=dev),
+                   torch.empty((n_rows, n), dtype=torch.int64, device=dev),
+                   torch.empty((n_rows, n), dtype=torch.float32, device=dev))
+    backend = resolve_backend(backend, dev)
+    if n_rows == 0:
+        return out
+    if backend == "torch":
+        from ..reference.logprobs import logprobs as reference
+        ref = reference(logits, token_ids, n)
+        return Logprobs(ref[0].to(torch.float32), ref[1], ref[2], ref[3].to(torch.float32))
+    _logprobs.for_backend(backend)[(n_rows,)](
+        out.token_logprob, out.token_rank, out.top_token_ids, out.top_logprobs, token_ids, logits,
+        *logits.stride(), n_cols, N=n, NP=max(1, triton.next_power_of_2(max(n, 1))),
+        BLOCK=min(2048, triton.next_power_of_2(max(n_cols, 16))), IS_F64=logits.dtype == torch.float64,
+        num_warps=8)
+    return out
