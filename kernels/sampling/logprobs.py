@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .._backend import launchable, resolve_backend
 from .params import LOGPROBS_MODES, MAX_LOGPROBS
+from .weights import to_compute
 
 INT32_MAX = tl.constexpr(2147483647)
 
@@ -31,17 +32,17 @@ def _logprobs(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_c
               N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, IS_F64: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_rs
-    ct: tl.constexpr = tl.float64 if IS_F64 else tl.float32
     tok = tl.load(tok_ptr + row).to(tl.int64)
     tok_ok = (tok >= 0) & (tok < n_cols)
-    xc = tl.load(x_row + tl.where(tok_ok, tok, 0) * x_cs).to(ct)
+    xc = to_compute(tl.load(x_row + tl.where(tok_ok, tok, 0) * x_cs), IS_F64)
     xc = tl.where(xc != xc, float("-inf"), xc)
-    m_l = tl.full([BLOCK], float("-inf"), ct)
-    s_l = tl.zeros([BLOCK], ct)
+    m_l = to_compute(tl.full([BLOCK], float("-inf"), tl.float32), IS_F64)
+    s_l = to_compute(tl.zeros([BLOCK], tl.float32), IS_F64)
     above = tl.zeros([BLOCK], tl.int32)
     for start in range(0, n_cols, BLOCK):
         col = start + tl.arange(0, BLOCK).to(tl.int64)
-        x = tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf")).to(ct)
+        x = tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf"))
+        x = to_compute(x, IS_F64)
         x = tl.where(x != x, float("-inf"), x)
         m_new = tl.maximum(m_l, x)
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -56,14 +57,14 @@ def _logprobs(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_c
     tl.store(lp_ptr + row, lp.to(tl.float32))
     tl.store(rank_ptr + row, tl.where(tok_ok, tl.sum(above, axis=0) + 1, 0).to(tl.int64))
     # Top-n: each entry the largest (value, then lowest id) strictly after the previous one.
-    prev_v = tl.full([], float("inf"), ct)
+    prev_v = to_compute(tl.full([], float("inf"), tl.float32), IS_F64)
     prev_i = tl.full([], -1, tl.int64)
     for j in tl.static_range(N):
-        bv = tl.full([BLOCK], float("-inf"), ct)
+        bv = to_compute(tl.full([BLOCK], float("-inf"), tl.float32), IS_F64)
         bi = tl.full([BLOCK], INT32_MAX, tl.int64)
         for start in range(0, n_cols, BLOCK):
             col = start + tl.arange(0, BLOCK).to(tl.int64)
-            x = tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf")).to(ct)
+            x = to_compute(tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf")), IS_F64)
             x = tl.where(x != x, float("-inf"), x)
             after = (col < n_cols) & ((x < prev_v) | ((x == prev_v) & (col > prev_i)))
             better = after & ((x > bv) | ((x == bv) & (col < bi)))

@@ -113,12 +113,13 @@ def _process(y_ptr, x_ptr, x_rs, x_cs, n_cols, rep_ptr, freq_ptr, pres_ptr, p_id
     for start in range(0, n_cols, BLOCK):
         col = start + tl.arange(0, BLOCK).to(tl.int64)
         m = col < n_cols
-        x = tl.load(x_row + col * x_cs, mask=m, other=float("-inf")).to(tl.float32)
         if HAS_ALLOWED:
             x = tl.full([BLOCK], float("-inf"), tl.float32)
-        elif HAS_GRAMMAR:
-            word = tl.load(g_ptr + row * g_words + col // 32, mask=m, other=0)
-            x = tl.where(((word >> (col % 32).to(word.dtype)) & 1) != 0, x, float("-inf"))
+        else:
+            x = tl.load(x_row + col * x_cs, mask=m, other=float("-inf")).to(tl.float32)
+            if HAS_GRAMMAR:
+                word = tl.load(g_ptr + row * g_words + col // 32, mask=m, other=0)
+                x = tl.where(((word >> (col % 32).to(word.dtype)) & 1) != 0, x, float("-inf"))
         tl.store(y_row + col, x, mask=m)
     tl.debug_barrier()
     # (2) The allowed tokens back, where the grammar allows them too.
