@@ -274,3 +274,24 @@ def test_cuda_matches_reference_full_size():
     ref = reference_logprobs(x, tokens, 5)
     torch.testing.assert_close(lp.token_logprob.cpu().double(), ref[0], rtol=1e-5, atol=1e-4)
     assert torch.equal(lp.top_token_ids.cpu(), ref[2])
+
+
+@pytest.mark.parametrize("case", ["flat", "few_finite", "peaked"])
+def test_logprobs_candidate_list_and_its_fallback(case, gen):
+    """Top-n from the gathered candidates, and from the row where more than CANDIDATES tokens tie
+    at the bound (flat) or fewer than n lanes are finite."""
+    v = 1500
+    if case == "flat":
+        x = torch.zeros(2, v)
+        x[1, 700] = 1.0
+    elif case == "few_finite":
+        x = torch.full((2, v), float("-inf"))
+        x[:, [3, 900, 1400]] = torch.tensor([1.0, 2.0, 1.0])
+    else:
+        x = torch.randn(2, v, generator=gen).round(decimals=1)
+    tokens = torch.tensor([5, 1400])
+    got = logprobs(x, tokens, 6, backend="interpret")
+    lp, rank, top_i, top_lp = reference_logprobs(x, tokens, 6)
+    assert torch.equal(got.top_token_ids, top_i)
+    assert torch.equal(got.token_rank, rank)
+    torch.testing.assert_close(got.top_logprobs.double(), top_lp, rtol=1e-5, atol=1e-5)

@@ -6,9 +6,11 @@ filters), as vLLM's ``raw_logprobs``. A row whose token is -1 (invalid) gets a l
 and rank 0; its top-n are computed all the same (NaN logits read as -inf).
 
 ``_logprobs`` is one Triton kernel, a program per row: one pass for the max, the softmax total
-(online, per lane) and the count of logits strictly above the chosen one (rank = that + 1), then
-one pass per top-n entry, each the largest (value, lowest id) strictly below the previous entry
-in that order. A separate launch after the draw: plain sampling never runs it.
+(online, per lane) and the count of logits strictly above the chosen one (rank = that + 1); a
+second pass gathers the tokens at or above a bound of the n-th largest logit (the n-th largest
+lane max) into a short list; then the top-n entries, each the largest (value, lowest id)
+strictly below the previous one in that order, by passes over that list (over the row where
+more than ``CANDIDATES`` tokens reach the bound). A separate launch after the draw: plain sampling never runs it.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from .params import LOGPROBS_MODES, MAX_LOGPROBS
 from .weights import to_compute
 
 INT32_MAX = tl.constexpr(2147483647)
+# Top-n candidate slots a row (gathered at or above the n-th largest lane max).
+CANDIDATES = 512
 
 
 @launchable
 @triton.jit(do_not_specialize=["n_cols"])
-def _logprobs(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_cs, n_cols,
-              N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, IS_F64: tl.constexpr):
+def _logprobs(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_cs, n_cols, cv_ptr, ci_ptr,
+              N: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, IS_F64: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_rs
     tok = tl.load(tok_ptr + row).to(tl.int64)
@@ -56,20 +60,56 @@ def _logprobs(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_c
     lp = tl.where(tok_ok, xc - log_z, float("nan"))
     tl.store(lp_ptr + row, lp.to(tl.float32))
     tl.store(rank_ptr + row, tl.where(tok_ok, tl.sum(above, axis=0) + 1, 0).to(tl.int64))
-    # Top-n: each entry the largest (value, then lowest id) strictly after the previous one.
+    # Top-n candidates: the n-th largest lane max L bounds the n-th largest logit from below (n
+    # lanes hold n distinct tokens >= L), so the top-n lie among the tokens >= L: one pass gathers
+    # them into the row's CAP slots, and the selection runs over those. More than CAP of them
+    # (ties, or fewer than n finite lanes): the selection runs over the row instead.
+    lanes = tl.arange(0, BLOCK)
+    taken = lanes < 0
+    bound = m
+    for j in tl.static_range(N):
+        bound = tl.max(tl.where(taken, float("-inf"), m_l), axis=0)
+        lane = tl.min(tl.where((m_l == bound) & (taken == 0), lanes, BLOCK), axis=0)
+        taken = taken | (lanes == lane)
+    count = tl.sum(lanes * 0, axis=0)
+    if N > 0:
+        for start in range(0, n_cols, BLOCK):
+            col = start + tl.arange(0, BLOCK).to(tl.int64)
+            x = to_compute(tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf")), IS_F64)
+            x = tl.where(x != x, float("-inf"), x)
+            keep = (col < n_cols) & (x >= bound)
+            pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            ok = keep & (pos < CAP)
+            tl.store(cv_ptr + row * CAP + pos, x, mask=ok)
+            tl.store(ci_ptr + row * CAP + pos, col, mask=ok)
+            count += tl.sum(keep.to(tl.int32), axis=0)
+        tl.debug_barrier()
+    use_list = count <= CAP
+    # Each entry: the largest (value, then lowest id) strictly after the previous one.
     prev_v = to_compute(tl.full([], float("inf"), tl.float32), IS_F64)
     prev_i = tl.full([], -1, tl.int64)
     for j in tl.static_range(N):
         bv = to_compute(tl.full([BLOCK], float("-inf"), tl.float32), IS_F64)
         bi = tl.full([BLOCK], INT32_MAX, tl.int64)
-        for start in range(0, n_cols, BLOCK):
-            col = start + tl.arange(0, BLOCK).to(tl.int64)
-            x = to_compute(tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf")), IS_F64)
-            x = tl.where(x != x, float("-inf"), x)
-            after = (col < n_cols) & ((x < prev_v) | ((x == prev_v) & (col > prev_i)))
-            better = after & ((x > bv) | ((x == bv) & (col < bi)))
-            bv = tl.where(better, x, bv)
-            bi = tl.where(better, col, bi)
+        if use_list:
+            for start in range(0, count, BLOCK):
+                idx = start + tl.arange(0, BLOCK)
+                live = idx < count
+                x = tl.load(cv_ptr + row * CAP + idx, mask=live, other=float("-inf"))
+                col = tl.load(ci_ptr + row * CAP + idx, mask=live, other=INT32_MAX)
+                after = live & ((x < prev_v) | ((x == prev_v) & (col > prev_i)))
+                better = after & ((x > bv) | ((x == bv) & (col < bi)))
+                bv = tl.where(better, x, bv)
+                bi = tl.where(better, col, bi)
+        else:
+            for start in range(0, n_cols, BLOCK):
+                col = start + tl.arange(0, BLOCK).to(tl.int64)
+                x = to_compute(tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf")), IS_F64)
+                x = tl.where(x != x, float("-inf"), x)
+                after = (col < n_cols) & ((x < prev_v) | ((x == prev_v) & (col > prev_i)))
+                better = after & ((x > bv) | ((x == bv) & (col < bi)))
+                bv = tl.where(better, x, bv)
+                bi = tl.where(better, col, bi)
         v = tl.max(bv, axis=0)
         i = tl.min(tl.where(bv == v, bi, INT32_MAX), axis=0)
         tl.store(top_i_ptr + row * N + j, tl.where(i < n_cols, i, -1))
@@ -132,9 +172,12 @@ def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int = 0, *, mode:
         from ..reference.logprobs import logprobs as reference
         ref = reference(logits, token_ids, n)
         return Logprobs(ref[0].to(torch.float32), ref[1], ref[2], ref[3].to(torch.float32))
+    is_f64 = logits.dtype == torch.float64
+    block = min(2048, triton.next_power_of_2(max(n_cols, 16)))
+    slots = n_rows * CANDIDATES if n else 1
+    cv = torch.empty(slots, dtype=torch.float64 if is_f64 else torch.float32, device=dev)
+    ci = torch.empty(slots, dtype=torch.int64, device=dev)
     _logprobs.for_backend(backend)[(n_rows,)](
         out.token_logprob, out.token_rank, out.top_token_ids, out.top_logprobs, token_ids, logits,
-        *logits.stride(), n_cols, N=n, NP=max(1, triton.next_power_of_2(max(n, 1))),
-        BLOCK=min(2048, triton.next_power_of_2(max(n_cols, 16))), IS_F64=logits.dtype == torch.float64,
-        num_warps=8)
+        *logits.stride(), n_cols, cv, ci, N=n, BLOCK=block, CAP=CANDIDATES, IS_F64=is_f64, num_warps=8)
     return out
