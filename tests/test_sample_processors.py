@@ -295,3 +295,31 @@ def test_logprobs_candidate_list_and_its_fallback(case, gen):
     assert torch.equal(got.top_token_ids, top_i)
     assert torch.equal(got.token_rank, rank)
     torch.testing.assert_close(got.top_logprobs.double(), top_lp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("filters", [dict(temperature=0.7, top_k=6), dict(temperature=1.3, top_p=0.8, min_p=0.05),
+                                     dict(temperature=0.0)])
+def test_processed_logprobs_and_kept_set(filters, gen):
+    """processed mode: log of kept_probabilities (test_sample_expected, float64) of the processed
+    logits; the kept bitmask is that distribution's support; the chosen token is in it."""
+    n, v = 3, 70
+    x = torch.randn(n, v, generator=gen) * 2
+    kw = features(n, v, gen)
+    for backend in ("torch", "interpret"):
+        tokens, lp = sample(x, seed=4, logprobs=4, logprobs_mode="processed", return_kept=True, backend=backend,
+                            **filters, **kw)
+        processed = reference_process(x, procs_of(x, **kw)).numpy()
+        for r in range(n):
+            row = processed[r]
+            if filters["temperature"] == 0:
+                probs = (np.arange(v) == np.argmax(row)).astype(float)
+            else:
+                probs = kept_probabilities(np.where(np.isinf(row), -1e30, row), **filters)
+            bits = (lp.kept_bitmask[r].numpy().view(np.uint32)[:, None] >> np.arange(32)) & 1
+            np.testing.assert_array_equal(bits.reshape(-1)[:v].astype(bool), probs > 0)
+            with np.errstate(divide="ignore"):
+                want = np.log(probs)
+            assert probs[tokens[r]] > 0
+            np.testing.assert_allclose(lp.token_logprob[r].item(), want[tokens[r]], rtol=1e-5, atol=1e-5)
+            order = sorted(range(v), key=lambda t: (-want[t], t))[:4]
+            assert lp.top_token_ids[r].tolist() == order

@@ -15,7 +15,9 @@ import torch
 from .._plan import TensorSpec
 from .params import (MIN_P, RANDOM_VAL, SEED, SEED_BITS, SEED_RANGE, STEP, STEP_RANGE, TEMPERATURE, TOP_K, TOP_P,
                      SamplingParam)
-from .logprobs import Logprobs, check_logprobs, logprobs as _logprobs
+from ..reference import sample as reference
+from .logprobs import Logprobs, check_logprobs, pack_bits
+from .logprobs import logprobs as _logprobs
 from .plan import PARAM_DTYPES, SamplePlan, _cached_plan
 from .processors import Processors, process_logits
 
@@ -72,7 +74,8 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
            prompt_token_ids=None, prompt_offsets=None, output_token_ids=None, output_offsets=None,
            logit_bias_ids=None, logit_bias_values=None, logit_bias_offsets=None, allowed_token_ids=None,
            allowed_offsets=None, banned_token_ids=None, banned_offsets=None, min_tokens=0, stop_token_ids=None,
-           stop_offsets=None, grammar_bitmask=None, logprobs: int | None = None, logprobs_mode: str = "raw"):
+           stop_offsets=None, grammar_bitmask=None, logprobs: int | None = None, logprobs_mode: str = "raw",
+           return_kept: bool = False):
     """Draw one token id per row of ``logits``.
 
     Parameters
@@ -121,8 +124,15 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
         allowing no finite logit answers -1.
     logprobs : None or int in [0, 20]
         Also return a :class:`Logprobs` of the chosen tokens and the top-``logprobs`` tokens.
-    logprobs_mode : ``"raw"``
-        The log-softmax of ``logits`` as given.
+    logprobs_mode : ``"raw"`` or ``"processed"``
+        ``raw``: the log-softmax of ``logits`` as given. ``processed``: of the logits after the
+        processors and temperature, over the tokens the filters kept (the others -inf; greedy
+        rows: the arg-max alone, log-probability 0). Not with ``random_val``.
+    return_kept : bool
+        Also return the kept set as ``Logprobs.kept_bitmask``, int32 ``(batch_size,
+        ceil(vocab_size / 32))`` (bit set: the token survived the filters). ``processed`` mode and
+        the kept set come from torch operations (the reference's sort-based filters), on the
+        same processed logits: a float near-tie at a filter's boundary may differ from the kernels'.
 
     With any processor set, the processed logits (float32) are written to a new tensor that the
     sampling launches read (float64 logits are then sampled in float32). With none set, the call
@@ -132,8 +142,8 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     -------
     torch.Tensor
         ``(batch_size,)`` token ids; -1 for a row with a NaN, with no finite logit, or (per-row
-        CUDA tensors) with a parameter that breaks its rule. With ``logprobs``: the pair
-        ``(token_ids, Logprobs)``.
+        CUDA tensors) with a parameter that breaks its rule. With ``logprobs`` or
+        ``return_kept``: the pair ``(token_ids, Logprobs)``.
 
     Examples
     --------
@@ -158,6 +168,10 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
         stop_offsets=stop_offsets, grammar_bitmask=grammar_bitmask)
     if logprobs is not None:
         check_logprobs(logprobs, logprobs_mode)
+        if logprobs_mode == "processed" and random_val is not None:
+            raise ValueError("logprobs_mode 'processed' does not apply with random_val")
+    if return_kept and random_val is not None:
+        raise ValueError("return_kept does not apply with random_val")
     raw = logits
     if procs.any:
         logits = process_logits(logits, procs, backend)
@@ -184,6 +198,21 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     out = torch.empty(n_rows, dtype=out_dtype, device=logits.device)
     tokens = plan(logits, out, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step,
                   random_val=random_val)
-    if logprobs is None:
+    if logprobs is None and not return_kept:
         return tokens
-    return tokens, _logprobs(raw, tokens, logprobs, mode=logprobs_mode, backend=backend)
+    kept = None
+    if return_kept or logprobs_mode == "processed":
+        rows = [v if isinstance(v, torch.Tensor) else torch.full((n_rows,), v, device=logits.device)
+                for v in (temperature, top_k, top_p, min_p)]
+        kept = reference.kept_set(logits, *rows, filter_order=filter_order)
+    result = Logprobs()
+    if logprobs is not None:
+        source = raw
+        if logprobs_mode == "processed":
+            t = rows[0].to(torch.float64 if logits.dtype == torch.float64 else torch.float32)[:, None]
+            scaled = logits.to(t.dtype) / torch.where(t > 0, t, 1.0)
+            source = torch.where(kept, torch.where(t > 0, scaled, 0.0), float("-inf"))
+        result = _logprobs(source, tokens, logprobs, backend=backend)
+    if return_kept:
+        result.kept_bitmask = pack_bits(kept)
+    return tokens, result

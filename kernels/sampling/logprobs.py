@@ -124,10 +124,22 @@ class Logprobs:
     ``top_token_ids`` int64 [B, n], ``top_logprobs`` float32 [B, n] (descending, ties to the
     lower id)."""
 
-    token_logprob: torch.Tensor
-    token_rank: torch.Tensor
-    top_token_ids: torch.Tensor
-    top_logprobs: torch.Tensor
+    token_logprob: torch.Tensor | None = None
+    token_rank: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    # With return_kept: the tokens the filters kept, int32 [B, ceil(V / 32)] (xgrammar's layout).
+    kept_bitmask: torch.Tensor | None = None
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, V]`` as int32 ``[B, ceil(V / 32)]``: bit ``t % 32`` of word ``t // 32``."""
+    n_rows, n_cols = mask.shape
+    words = (n_cols + 31) // 32
+    padded = torch.zeros((n_rows, words * 32), dtype=torch.int64, device=mask.device)
+    padded[:, :n_cols] = mask.to(torch.int64)
+    packed = (padded.view(n_rows, words, 32) << torch.arange(32, device=mask.device)).sum(2)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def check_logprobs(n, mode: str) -> None:
@@ -152,13 +164,17 @@ def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int = 0, *, mode:
     n : int
         Top tokens a row, in [0, 20].
     mode : ``"raw"``
-        The log-softmax of the logits as given.
+        The log-softmax of the logits as given (``sample``'s ``processed`` mode passes the
+        processed, scaled and filtered logits here).
 
     Returns
     -------
     Logprobs
     """
     check_logprobs(n, mode)
+    if mode != "raw":
+        raise ValueError(f"logprobs(): mode must be 'raw' (sample(..., logprobs_mode='processed') computes the "
+                         f"processed logits first), got {mode!r}")
     n_rows, n_cols = logits.shape
     dev = logits.device
     out = Logprobs(torch.empty(n_rows, dtype=torch.float32, device=dev),

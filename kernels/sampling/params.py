@@ -113,6 +113,7 @@ RAGGED_LISTS = {
     "banned": ("banned_token_ids", "banned_offsets", "tokens never drawn"),
     "stop": ("stop_token_ids", "stop_offsets", "stop tokens, banned while the output is shorter than min_tokens"),
 }
-# Logprobs: at most this many top tokens per row; the modes (raw: log-softmax of the logits as given).
+# Logprobs: at most this many top tokens per row; the modes (raw: log-softmax of the logits as given;
+# processed: after processors, temperature and filters, removed tokens -inf).
 MAX_LOGPROBS = 20
-LOGPROBS_MODES = ("raw",)
+LOGPROBS_MODES = ("raw", "processed")
