@@ -134,7 +134,8 @@ class _Methods(RegionMethods):
         (scalar or per row); ragged lists as ids + ``[B + 1]`` offsets (``prompt_token_ids`` /
         ``prompt_offsets``, ``output_*``, ``logit_bias_ids`` / ``logit_bias_values`` /
         ``logit_bias_offsets``, ``allowed_*``, ``banned_*``, ``stop_*``); ``grammar_bitmask``
-        int32 [B, ceil(V / 32)]; ``logprobs`` (top-n, n <= 20) and ``logprobs_mode`` ("raw").
+        int32 [B, ceil(V / 32)]; ``logprobs`` (top-n, n <= 20), ``logprobs_mode`` ("raw" or
+        "processed") and ``return_kept`` (the kept set as ``.kept_bitmask``).
 
         Returns a :class:`SampleResult` (``.token_ids`` int64 [B], ``.seeds``, ``.valid``; with
         ``logprobs``: ``.token_logprobs``, ``.token_ranks``, ``.top_token_ids``, ``.top_logprobs``).

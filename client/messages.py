@@ -43,6 +43,9 @@ class SampleResult:
     token_ranks: np.ndarray | None = None
     top_token_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    # With return_kept: int32 [B, ceil(V / 32)], bit t % 32 of word t // 32 set where token t
+    # survived the filters.
+    kept_bitmask: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class ServerInfo:
 
 # The outputs of each operator (its request's output_regions keys), and what each must be.
 SAMPLE_OUTPUTS = ("token_ids", "seeds", "valid")
-SAMPLE_LOGPROBS = ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs")
+SAMPLE_LOGPROBS = ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")
 ROUTE_OUTPUTS = ("weights", "indices")
 TENSOR_OUTPUTS = ("out",)
 
@@ -201,7 +204,7 @@ PROCESSOR_TENSORS = ("prompt_token_ids", "prompt_offsets", "output_token_ids", "
 def build_sample(enc: Encoder, path: wire.Path, logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
                  seed=None, step=0, filter_order="top_k_first", random_val=None, out=None, repetition_penalty=None,
                  frequency_penalty=None, presence_penalty=None, min_tokens=None, logprobs=None, logprobs_mode=None,
-                 **tensors) -> pb.SampleRequest:
+                 return_kept=False, **tensors) -> pb.SampleRequest:
     if filter_order not in FILTER_ORDERS:
         raise ValueError(f"filter_order: must be one of {', '.join(FILTER_ORDERS)}, got {filter_order!r}")
     msg = pb.SampleRequest(logits=enc.tensor(logits, (*path, "logits"), "logits"),
@@ -225,6 +228,7 @@ def build_sample(enc: Encoder, path: wire.Path, logits, *, temperature=1.0, top_
         msg.logprobs = int(logprobs)
     if logprobs_mode is not None:
         msg.logprobs_mode = logprobs_mode
+    msg.return_kept = bool(return_kept)
     rows = (_rows(msg.logits),)
     enc.outputs_into(msg, path, out, {"token_ids": (pb.DTYPE_INT64, rows), "seeds": (pb.DTYPE_INT64, rows),
                                       "valid": (pb.DTYPE_BOOL, rows)})

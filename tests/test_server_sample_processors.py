@@ -32,11 +32,13 @@ def test_answers_equal_the_kernels(server, client):
     x = torch.randn(n, v, generator=gen) * 2
     kw = features(n, v, gen, allowed=True)
     seeds = [5, 6, 7, 8]
-    result = client.sample(x, seed=seeds, top_k=30, top_p=0.95, logprobs=4, **kw)
+    result = client.sample(x, seed=seeds, top_k=30, top_p=0.95, logprobs=4, logprobs_mode="processed",
+                           return_kept=True, **kw)
     tokens, lp = kernels.sample(x, seed=torch.tensor(seeds), top_k=torch.full((n,), 30),
                                 top_p=torch.full((n,), 0.95), temperature=torch.ones(n), min_p=torch.zeros(n),
-                                step=torch.zeros(n, dtype=torch.int64), logprobs=4, backend=server.config.backend,
-                                **kw)
+                                step=torch.zeros(n, dtype=torch.int64), logprobs=4, logprobs_mode="processed",
+                                return_kept=True, backend=server.config.backend, **kw)
+    np.testing.assert_array_equal(result.kept_bitmask, lp.kept_bitmask.numpy())
     np.testing.assert_array_equal(result.token_ids, tokens.numpy())
     np.testing.assert_array_equal(result.valid, tokens.numpy() >= 0)
     np.testing.assert_array_equal(result.token_logprobs, lp.token_logprob.numpy())
@@ -71,7 +73,8 @@ def test_scalar_penalties_grammar_nothing_and_plain_neighbours(server, client):
     (dict(frequency_penalty=[0.0, 2.5]), "frequency_penalty_rows[1]: must be in [-2, 2]"),
     (dict(presence_penalty=-3.0), "presence_penalty: must be in [-2, 2]"),
     (dict(logprobs=21), "logprobs: must be in [0, 20]"),
-    (dict(logprobs=1, logprobs_mode="processed"), "logprobs_mode: must be one of"),
+    (dict(logprobs=1, logprobs_mode="nope"), "logprobs_mode: must be one of"),
+    (dict(logprobs=1, logprobs_mode="processed", random_val=0.5), "logprobs_mode: 'processed' does not apply"),
     (dict(logit_bias_ids=[1], logit_bias_offsets=[0, 1, 1], logit_bias_values=[1.0, 2.0]),
      "logit_bias_values.shape: must be [1]"),
     (dict(logit_bias_ids=[1], logit_bias_offsets=[0, 0, 1], logit_bias_values=[float("inf")]),

@@ -36,7 +36,7 @@ Param = Union[int, float, list]  # a scalar, or one value per row
 
 # The order from_pb checks the parameters in, which names the first broken one: seed, then the
 # table's order.
-LOGPROBS_FIELDS = ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs")
+LOGPROBS_FIELDS = ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")
 _CHECKED = (SEED, *(p for p in SAMPLING_PARAMS.values() if p is not SEED))
 _FLOAT32 = struct.Struct("f")
 
@@ -121,6 +121,7 @@ class SampleCall:
     processors: dict | None = None
     logprobs: int | None = None
     logprobs_mode: str = "raw"
+    return_kept: bool = False
 
     op = "sample"
 
@@ -141,7 +142,7 @@ class SampleCall:
         processors, n_logprobs, logprobs_mode = parse_processors(msg, rows, vocab, path, regions, _param)
         call = cls(logits=logits, filter_order=WIRE_FILTER_ORDERS[msg.filter_order], outputs=outputs,
                    regions=regions, processors=processors, logprobs=n_logprobs, logprobs_mode=logprobs_mode,
-                   **values)
+                   return_kept=msg.return_kept, **values)
         if call.random_val is not None and _any_nonzero(call.min_p):
             raise ValueError(f"{path}min_p: must be 0 with random_val (InfiniCore's random_sample has no min-p)")
         return call
@@ -158,7 +159,7 @@ class SampleCall:
     def key(self):
         """The key of calls that may share a launch; the last item: whether the kernel draws its
         own random values (no random_val). None (a group of its own) with processors or logprobs."""
-        if self.processors is not None or self.logprobs is not None:
+        if self.processors is not None or self.logprobs is not None or self.return_kept:
             return None
         return (self.op, self.logits.dtype, self.logits.shape[1], self.filter_order, self.random_val is None)
 
@@ -179,7 +180,7 @@ class SampleCall:
 
     @staticmethod
     async def run_batch(calls: list["SampleCall"], handle) -> list["SampleResult"]:
-        if calls[0].processors is not None or calls[0].logprobs is not None:  # a group of one (key None)
+        if calls[0].key is None:  # processors, logprobs or the kept set: a group of one
             results = []
             for c in calls:
                 tokens, lp = await handle.run(launch_processed, c, handle, _param_names([c]))
@@ -249,14 +250,15 @@ class SampleResult:
     seeds: list[int]
     outputs: Outputs | None = None  # the outputs that go into regions
     written: bool = False  # they are there already (else to_pb writes them: system regions)
-    # (token_logprobs, token_ranks, top_token_ids, top_logprobs) as CPU tensors, when asked for.
+    # (token_logprobs, token_ranks, top_token_ids, top_logprobs, kept_bitmask) as CPU tensors (or
+    # None), when asked for.
     logprobs: tuple | None = None
 
     def to_pb(self) -> pb.SampleResponse:
         response = self._tokens_pb()
         if self.logprobs is not None:
             for name, value in zip(LOGPROBS_FIELDS, self.logprobs):
-                if value.numel():  # top-0: no top fields (the wire has no empty tensors)
+                if value is not None and value.numel():  # top-0: no top fields (no empty tensors)
                     getattr(response, name).CopyFrom(from_torch(value))
         return response
 

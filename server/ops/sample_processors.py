@@ -37,7 +37,8 @@ def _tensor(msg, name: str, path: str, regions, dtypes, ranks):
 
 
 def parse(msg, rows: int, vocab: int, path: str, regions, param) -> tuple[dict | None, int | None, str]:
-    """``(kernel keywords of the processors or None, logprobs n or None, logprobs mode)``.
+    """``(kernel keywords of the processors or None, logprobs n or None, logprobs mode)``
+    (``msg.return_kept`` is read by the caller).
 
     ``param(msg, p, rows, path, regions)`` reads a scalar-or-per-row parameter (sample.py's)."""
     kw: dict = {}
@@ -95,6 +96,11 @@ def parse(msg, rows: int, vocab: int, path: str, regions, param) -> tuple[dict |
     mode = msg.logprobs_mode or LOGPROBS_MODES[0]
     if mode not in LOGPROBS_MODES:
         raise ValueError(f"{path}logprobs_mode: must be one of {list(LOGPROBS_MODES)}, got {msg.logprobs_mode!r}")
+    if msg.HasField("random_val") or msg.HasField("random_val_rows"):
+        if mode == "processed" and n is not None:
+            raise ValueError(f"{path}logprobs_mode: 'processed' does not apply with random_val")
+        if msg.return_kept:
+            raise ValueError(f"{path}return_kept: does not apply with random_val")
     has = any(k.endswith("_offsets") for k in kw) or "grammar_bitmask" in kw
     return (kw if has else None), n, mode
 
@@ -109,8 +115,10 @@ def launch_processed(call, handle, names) -> tuple:
     params = dict(zip(names, (*floats.unbind(1), *ints.unbind(1))))
     procs = {k: v.to(logits.device) if isinstance(v, torch.Tensor) else v for k, v in (call.processors or {}).items()}
     extra = {} if call.logprobs is None else dict(logprobs=call.logprobs, logprobs_mode=call.logprobs_mode)
+    if call.return_kept:
+        extra["return_kept"] = True
     result = kernels.sample(logits, **params, filter_order=call.filter_order, backend=handle.backend, **procs, **extra)
-    tokens, lp = (result, None) if call.logprobs is None else result
+    tokens, lp = result if extra else (result, None)
     if call.outputs is not None:
         for name, value in (("token_ids", tokens), ("valid", tokens >= 0),
                             ("seeds", torch.tensor(call.seeds(), dtype=torch.int64))):
@@ -118,5 +126,6 @@ def launch_processed(call, handle, names) -> tuple:
                 call.outputs.put(name, value)
     host_lp = None
     if lp is not None:
-        host_lp = tuple(t.cpu() for t in (lp.token_logprob, lp.token_rank, lp.top_token_ids, lp.top_logprobs))
+        host_lp = tuple(None if t is None else t.cpu() for t in (lp.token_logprob, lp.token_rank, lp.top_token_ids,
+                                                                  lp.top_logprobs, lp.kept_bitmask))
     return to_host(tokens), host_lp
