@@ -23,7 +23,7 @@ from logitserve.kernels.sampling.params import (LOGPROBS_MODES, MAX_LOGPROBS, MI
                                                 RAGGED_LISTS)
 from logitserve.kernels.sampling.processors import ragged_error
 
-from ..tensors import FLOATS, INTS, DeviceTensor, decode
+from ..tensors import INTS, DeviceTensor, decode
 
 
 def _values(t) -> list:
