@@ -324,3 +324,32 @@ def test_processed_logprobs_and_kept_set(filters, gen):
             np.testing.assert_allclose(lp.token_logprob[r].item(), want[tokens[r]], rtol=1e-5, atol=1e-5)
             order = sorted(range(v), key=lambda t: (-want[t], t))[:4]
             assert lp.top_token_ids[r].tolist() == order
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    """The processors and logprobs kernels compile to an sm_90 cubin (Triton's own ptxas), no GPU
+    needed: the interpreter alone would not catch what only the compiler refuses."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from logitserve.kernels.sampling.logprobs import _logprobs
+    from logitserve.kernels.sampling.processors import _process
+
+    def build(kernel, types, constexprs):
+        fn = kernel._jit_fn
+        sig = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
+        triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+    ptypes = dict(y_ptr="*fp32", x_ptr="*bf16", x_rs="i32", x_cs="i32", n_cols="i32", rep_ptr="*fp32",
+                  freq_ptr="*fp32", pres_ptr="*fp32", p_ids="*i64", p_off="*i64", o_ids="*i64", o_off="*i64",
+                  b_ids="*i64", b_vals="*fp32", b_off="*i64", a_ids="*i32", a_off="*i32", n_ids="*i32",
+                  n_off="*i32", s_ids="*i64", s_off="*i64", mt_ptr="*i64", g_ptr="*i32", g_words="i32")
+    flags = ("HAS_PROMPT", "HAS_OUTPUT", "HAS_BIAS", "HAS_ALLOWED", "HAS_BANNED", "HAS_MIN_TOKENS", "HAS_GRAMMAR")
+    for on in (set(flags), {"HAS_ALLOWED", "HAS_GRAMMAR"}, {"HAS_PROMPT"}):
+        build(_process, ptypes, {**{f: f in on for f in flags}, "BLOCK": 2048, "TB": 64})
+    ltypes = dict(lp_ptr="*fp32", rank_ptr="*i64", top_i_ptr="*i64", top_lp_ptr="*fp32", tok_ptr="*i64",
+                  x_ptr="*fp32", x_rs="i32", x_cs="i32", n_cols="i32", cv_ptr="*fp32", ci_ptr="*i64")
+    build(_logprobs, ltypes, dict(N=5, BLOCK=2048, CAP=512, IS_F64=False))
+    build(_logprobs, dict(ltypes, x_ptr="*fp64", cv_ptr="*fp64"), dict(N=20, BLOCK=2048, CAP=512, IS_F64=True))
