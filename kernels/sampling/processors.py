@@ -299,22 +299,29 @@ def _check_ragged(ids_name, off_name, ids, offsets, n_rows, n_cols, device) -> N
             raise ValueError(f"{name} must be contiguous")
     if offsets.shape[0] != n_rows + 1:
         raise ValueError(f"{off_name} must have batch_size + 1 = {n_rows + 1} entries, got {offsets.shape[0]}")
-    if device.type != "cpu":
-        return
-    message = ragged_error(ids.tolist(), offsets.tolist(), n_cols)
+    # The offsets ([B + 1]) are read on the host on every device, since the kernel trusts the
+    # spans they make: one past the ids would read out of bounds. The ids are checked on the CPU
+    # only (the kernel skips an id outside the vocabulary; reading them back would cost a copy).
+    message = ragged_error(ids.tolist() if device.type == "cpu" else None, offsets.tolist(), n_cols,
+                           n_ids=ids.shape[0])
     if message:
         raise ValueError(f"{ids_name if message[0] == 'ids' else off_name}: {message[1]}")
 
 
-def ragged_error(ids: list, offsets: list, n_cols: int) -> tuple[str, str] | None:
-    """The first broken rule of a ragged list, as ``("ids" | "offsets", message)``; None if valid."""
+def ragged_error(ids: list | None, offsets: list, n_cols: int, n_ids: int | None = None) -> tuple[str, str] | None:
+    """The first broken rule of a ragged list, as ``("ids" | "offsets", message)``; None if valid.
+    ``ids`` None checks the offsets alone, against ``n_ids`` ids."""
+    if n_ids is None:
+        n_ids = len(ids)
     if offsets[0] != 0:
         return "offsets", f"must start at 0, got {offsets[0]}"
     for r in range(len(offsets) - 1):
         if offsets[r + 1] < offsets[r]:
             return "offsets", f"must not decrease, got {offsets[r + 1]} after {offsets[r]} (row {r})"
-    if offsets[-1] != len(ids):
-        return "offsets", f"must end at the ids' length {len(ids)}, got {offsets[-1]}"
+    if offsets[-1] != n_ids:
+        return "offsets", f"must end at the ids' length {n_ids}, got {offsets[-1]}"
+    if ids is None:
+        return None
     for r in range(len(offsets) - 1):
         for i in range(offsets[r], offsets[r + 1]):
             if not 0 <= ids[i] < n_cols:
