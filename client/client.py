@@ -116,7 +116,7 @@ class _Methods(RegionMethods):
 
     def sample(self, logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0,
                filter_order="top_k_first", random_val=None, out=None, stream=None,
-               timeout=CLIENT_TIMEOUT) -> SampleResult:
+               timeout=CLIENT_TIMEOUT, **processors) -> SampleResult:
         """Next token of every row of ``logits`` ``(batch_size, vocab_size)``.
 
         Each parameter is a scalar or one value per row (array or tensor of length B), with the
@@ -129,11 +129,21 @@ class _Methods(RegionMethods):
         ``token_ids`` (int64 [B]), ``seeds`` (int64 [B]), ``valid`` (bool [B]); the server writes
         them in place and they come back as the result's fields.
 
-        Returns a :class:`SampleResult` (``.token_ids`` int64 [B], ``.seeds``, ``.valid``).
+        Logits processors and logprobs, keywords as ``logitserve.kernels.sample``'s:
+        ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``, ``min_tokens``
+        (scalar or per row); ragged lists as ids + ``[B + 1]`` offsets (``prompt_token_ids`` /
+        ``prompt_offsets``, ``output_*``, ``logit_bias_ids`` / ``logit_bias_values`` /
+        ``logit_bias_offsets``, ``allowed_*``, ``banned_*``, ``stop_*``); ``grammar_bitmask``
+        int32 [B, ceil(V / 32)]; ``logprobs`` (top-n, n <= 20), ``logprobs_mode`` ("raw" or
+        "processed") and ``return_kept`` (the kept set as ``.kept_bitmask``).
+
+        Returns a :class:`SampleResult` (``.token_ids`` int64 [B], ``.seeds``, ``.valid``; with
+        ``logprobs``: ``.token_logprobs``, ``.token_ranks``, ``.top_token_ids``, ``.top_logprobs``).
         """
         enc = self._encoder()
         msg = messages.build_sample(enc, (), logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                    seed=seed, step=step, filter_order=filter_order, random_val=random_val, out=out)
+                                    seed=seed, step=step, filter_order=filter_order, random_val=random_val, out=out,
+                                    **processors)
         return self._send("Sample", enc, msg, pb.SampleResponse, messages.sample_result, timeout, stream)
 
     def route_experts(self, gate_logits, k: int, renormalize: bool = False, *, scoring: str = "softmax",

@@ -37,6 +37,15 @@ class SampleResult:
     token_ids: np.ndarray  # int64 [B]
     seeds: np.ndarray  # int64 [B]
     valid: np.ndarray  # bool [B]
+    # With logprobs=n: the chosen token's log-probability float32 [B] (NaN where invalid) and rank
+    # int64 [B] (1 = most probable), the top-n token ids int64 [B, n] and logprobs float32 [B, n].
+    token_logprobs: np.ndarray | None = None
+    token_ranks: np.ndarray | None = None
+    top_token_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    # With return_kept: int32 [B, ceil(V / 32)], bit t % 32 of word t // 32 set where token t
+    # survived the filters.
+    kept_bitmask: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class ServerInfo:
 
 # The outputs of each operator (its request's output_regions keys), and what each must be.
 SAMPLE_OUTPUTS = ("token_ids", "seeds", "valid")
+SAMPLE_LOGPROBS = ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")
 ROUTE_OUTPUTS = ("weights", "indices")
 TENSOR_OUTPUTS = ("out",)
 
@@ -185,8 +195,16 @@ def _rows(tensor: pb.Tensor) -> int:
     return int(tensor.shape[0]) if len(tensor.shape) else 0
 
 
+# Sample's ragged lists and processor tensors, as Client.sample's keywords (the wire's field names).
+PROCESSOR_TENSORS = ("prompt_token_ids", "prompt_offsets", "output_token_ids", "output_offsets", "logit_bias_ids",
+                     "logit_bias_values", "logit_bias_offsets", "allowed_token_ids", "allowed_offsets",
+                     "banned_token_ids", "banned_offsets", "stop_token_ids", "stop_offsets", "grammar_bitmask")
+
+
 def build_sample(enc: Encoder, path: wire.Path, logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-                 seed=None, step=0, filter_order="top_k_first", random_val=None, out=None) -> pb.SampleRequest:
+                 seed=None, step=0, filter_order="top_k_first", random_val=None, out=None, repetition_penalty=None,
+                 frequency_penalty=None, presence_penalty=None, min_tokens=None, logprobs=None, logprobs_mode=None,
+                 return_kept=False, **tensors) -> pb.SampleRequest:
     if filter_order not in FILTER_ORDERS:
         raise ValueError(f"filter_order: must be one of {', '.join(FILTER_ORDERS)}, got {filter_order!r}")
     msg = pb.SampleRequest(logits=enc.tensor(logits, (*path, "logits"), "logits"),
@@ -196,6 +214,21 @@ def build_sample(enc: Encoder, path: wire.Path, logits, *, temperature=1.0, top_
         _set_param(enc, path, msg, name, value, floating=True)
     for name, value in (("top_k", top_k), ("seed", seed), ("step", step)):
         _set_param(enc, path, msg, name, value, floating=False)
+    for name, value in (("repetition_penalty", repetition_penalty), ("frequency_penalty", frequency_penalty),
+                        ("presence_penalty", presence_penalty)):
+        _set_param(enc, path, msg, name, value, floating=True)
+    _set_param(enc, path, msg, "min_tokens", min_tokens, floating=False)
+    for name, value in tensors.items():
+        if name not in PROCESSOR_TENSORS:
+            raise TypeError(f"sample() got an unexpected keyword argument {name!r}")
+        if value is None or (not isinstance(value, pb.Tensor) and np.size(value) == 0):
+            continue  # an empty list: its offsets alone (the wire has no empty tensors)
+        getattr(msg, name).CopyFrom(enc.tensor(value, (*path, name), name))
+    if logprobs is not None:
+        msg.logprobs = int(logprobs)
+    if logprobs_mode is not None:
+        msg.logprobs_mode = logprobs_mode
+    msg.return_kept = bool(return_kept)
     rows = (_rows(msg.logits),)
     enc.outputs_into(msg, path, out, {"token_ids": (pb.DTYPE_INT64, rows), "seeds": (pb.DTYPE_INT64, rows),
                                       "valid": (pb.DTYPE_BOOL, rows)})
@@ -358,7 +391,10 @@ def _tensor(msg: pb.Tensor, path: wire.Path, views: Views, outputs: Mapping[wire
 
 
 def sample_result(msg: pb.SampleResponse, views: Views = _NONE, outputs=_NONE, path: wire.Path = ()) -> SampleResult:
-    return SampleResult(*(_tensor(getattr(msg, name), (*path, name), views, outputs) for name in SAMPLE_OUTPUTS))
+    logprobs = {name: _tensor(getattr(msg, name), (*path, name), views, outputs) for name in SAMPLE_LOGPROBS
+                if msg.HasField(name)}
+    return SampleResult(*(_tensor(getattr(msg, name), (*path, name), views, outputs) for name in SAMPLE_OUTPUTS),
+                        **logprobs)
 
 
 def route_experts_result(msg: pb.RouteExpertsResponse, views: Views = _NONE, outputs=_NONE,

@@ -58,6 +58,47 @@ def _vllm_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     return probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
+def _frontend_inputs(batch: int, vocab: int, device: torch.device, gen: torch.Generator) -> dict:
+    """Issue 26's target: three penalties over 1,024-token output histories (and 256-token
+    prompts), a 64-entry logit bias, a grammar bitmask allowing about half the vocabulary."""
+    def ragged(n):
+        ids = torch.randint(0, vocab, (batch * n,), device=device, generator=gen)
+        return ids, torch.arange(0, batch * n + 1, n, device=device)
+
+    kw = dict(repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2)
+    kw["prompt_token_ids"], kw["prompt_offsets"] = ragged(256)
+    kw["output_token_ids"], kw["output_offsets"] = ragged(1024)
+    kw["logit_bias_ids"], kw["logit_bias_offsets"] = ragged(64)
+    kw["logit_bias_values"] = torch.randn(batch * 64, device=device, generator=gen)
+    words = (vocab + 31) // 32
+    kw["grammar_bitmask"] = torch.randint(-2**31, 2**31 - 1, (batch, words), device=device, generator=gen,
+                                          dtype=torch.int32)
+    return kw
+
+
+def _torch_frontend(logits, kw, temperature, top_k, top_p, n_logprobs=5):
+    """The same steps with torch operations (scatter-add counts, masked fills, log_softmax, topk),
+    then the sort-based sampler: what a frontend does without logitserve."""
+    batch, vocab = logits.shape
+    x = logits.clone()
+    rows_o = torch.arange(batch, device=x.device).repeat_interleave(torch.diff(kw["output_offsets"]))
+    rows_p = torch.arange(batch, device=x.device).repeat_interleave(torch.diff(kw["prompt_offsets"]))
+    counts = torch.zeros_like(x).index_put_((rows_o, kw["output_token_ids"]), torch.ones_like(rows_o, dtype=x.dtype),
+                                            accumulate=True)
+    seen = counts > 0
+    seen[rows_p, kw["prompt_token_ids"]] = True
+    rep = kw["repetition_penalty"]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - kw["frequency_penalty"] * counts - kw["presence_penalty"] * (counts > 0)
+    rows_b = torch.arange(batch, device=x.device).repeat_interleave(torch.diff(kw["logit_bias_offsets"]))
+    x = x.index_put_((rows_b, kw["logit_bias_ids"]), kw["logit_bias_values"], accumulate=True)
+    bits = (kw["grammar_bitmask"][:, :, None] >> torch.arange(32, device=x.device, dtype=torch.int32)) & 1
+    x = x.masked_fill(bits.reshape(batch, -1)[:, :vocab] == 0, float("-inf"))
+    tokens = _vllm_sample(x, temperature, top_k, top_p, None)
+    lp = torch.log_softmax(logits, dim=-1)
+    return tokens, lp.gather(1, tokens[:, None]), lp.topk(n_logprobs, dim=-1)
+
+
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
@@ -79,6 +120,21 @@ def cases(device: torch.device, with_compile: bool = True):
     compiled_greedy = maybe_compile(_greedy) if with_compile else None
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
+    # Issue 26: processors and top-5 logprobs beside plain sampling of the same logits, and torch.
+    batch, vocab = 256, 128256
+    logits = torch.randn(batch, vocab, device=device, generator=gen)
+    front = _frontend_inputs(batch, vocab, device, gen)
+    shape = f"{batch}x{vocab} T{TEMPERATURE} k{TOP_K} p{TOP_P}"
+    nbytes = logits.numel() * logits.element_size() + 8 * batch
+    plain = dict(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=1234, step=7)
+    yield Case("sample", shape + " (plain)", "float32", "logitserve", lambda: sample(logits, **plain), nbytes)
+    yield Case("sample", shape + " +penalties/bias/grammar/top-5 logprobs", "float32", "logitserve",
+               lambda: sample(logits, **plain, **front, logprobs=5), nbytes)
+    t = torch.full((batch,), TEMPERATURE, device=device)
+    k = torch.full((batch,), TOP_K, device=device, dtype=torch.long)
+    p = torch.full((batch,), TOP_P, device=device)
+    yield Case("sample", shape + " +penalties/bias/grammar/top-5 logprobs", "float32", "torch ops",
+               lambda: _torch_frontend(logits, front, t, k, p), nbytes)
     for label, batch, vocab, kw in _configs():
         logits = torch.randn(batch, vocab, device=device, generator=gen)
         nbytes = logits.numel() * logits.element_size() + 8 * batch

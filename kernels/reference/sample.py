@@ -106,7 +106,30 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return torch.where(bad, -1, token).to(out_dtype)
 
 
-def _draw(x, d, w, sorted_x, order, k, top_p, min_p, keys, filter_order):
+def kept_set(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+             min_p: torch.Tensor, *, filter_order: str = "top_k_first") -> torch.Tensor:
+    """The tokens the filters keep, bool ``[B, V]``, as :func:`sample` computes them (greedy rows:
+    the arg-max alone; rows with a NaN or no finite logit: none)."""
+    n_rows, n_cols = logits.shape
+    ct = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(ct)
+    temperature, top_p, min_p = temperature.to(torch.float32), top_p.to(torch.float32), min_p.to(torch.float32)
+    top_k = top_k.to(torch.int64)
+    bad = _invalid_rows(x, temperature, top_k, top_p, min_p, None)
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    greedy = (temperature == 0) | (top_k == 1)
+    m = x.max(1, keepdim=True).values
+    scale = (1.4426950408889634 / torch.where(greedy | bad, 1.0, temperature)).to(ct)[:, None]
+    w = torch.exp2(torch.where(x == m, 0.0, (x - m) * scale))
+    sorted_x, order = torch.sort(x, dim=1, descending=True, stable=True)
+    k = torch.where((top_k <= 0) | (top_k >= n_cols), n_cols, top_k).clamp(min=1)[:, None]
+    kept = _kept(x, w, sorted_x, order, k, top_p.to(ct)[:, None], min_p.to(ct)[:, None], filter_order)
+    first_max = torch.zeros_like(kept).scatter_(1, x.argmax(1, keepdim=True), True)
+    kept = torch.where(greedy[:, None], first_max, kept)
+    return kept & ~bad[:, None]
+
+
+def _kept(x, w, sorted_x, order, k, top_p, min_p, filter_order):
     # top-k: keep every token >= the k-th largest value (ties with it included).
     in_k = x >= sorted_x.gather(1, k - 1)
     # top-p: in descending order, keep positions whose mass before them is under top_p of the
@@ -118,7 +141,11 @@ def _draw(x, d, w, sorted_x, order, k, top_p, min_p, keys, filter_order):
     n_kept = (mass_before < top_p * z_ref).sum(1, keepdim=True).clamp(min=1)
     in_p = (top_p >= 1) | (x >= sorted_x.gather(1, n_kept - 1))
     # min-p: keep p >= min_p * max(p), i.e. w >= min_p.
-    kept = in_k & in_p & (w >= min_p)
+    return in_k & in_p & (w >= min_p)
+
+
+def _draw(x, d, w, sorted_x, order, k, top_p, min_p, keys, filter_order):
+    kept = _kept(x, w, sorted_x, order, k, top_p, min_p, filter_order)
     # Exponential race: argmax p_i / E_i over the kept tokens is distributed as p restricted to
     # them; in base-2 logs, argmax log2(w_i) - log2(E_i). The noise is drawn for the kept tokens
     # alone (often a few dozen of the row), the same values noise() gives them, not for the row.

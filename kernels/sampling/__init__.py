@@ -38,6 +38,10 @@ The pipeline, in the order a call runs it
    nucleus and the next is the winner over the tokens above it. min_p has no step of its own:
    it is the ``w >= min_p`` condition of the race's scores.
 
+Logits processors (penalties, bias, token masks, grammar bitmask; ``processors.py``) run before
+step 1 as a launch of their own that writes the processed logits, float32, for the steps above
+to read; logprobs (``logprobs.py``) run after the draw. A call with neither takes steps 0-4 alone.
+
 Greedy calls take step 1 alone; pure temperature sampling skips the gather (nothing to filter);
 ``random_val`` mode (InfiniCore's ``random_sample``, ``random_val.py``) replaces steps 2-4 with
 one launch that selects by cumulative mass. Steps 1-3 spread a row over many programs because a

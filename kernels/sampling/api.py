@@ -15,9 +15,13 @@ import torch
 from .._plan import TensorSpec
 from .params import (MIN_P, RANDOM_VAL, SEED, SEED_BITS, SEED_RANGE, STEP, STEP_RANGE, TEMPERATURE, TOP_K, TOP_P,
                      SamplingParam)
+from ..reference import sample as reference
+from .logprobs import Logprobs, check_logprobs, pack_bits
+from .logprobs import logprobs as _logprobs
 from .plan import PARAM_DTYPES, SamplePlan, _cached_plan
+from .processors import Processors, process_logits
 
-__all__ = ["SamplePlan", "sample"]
+__all__ = ["Logprobs", "SamplePlan", "sample"]
 
 
 def _rule(param: SamplingParam) -> str:
@@ -64,9 +68,18 @@ def _check_counter(name: str, value, valid: tuple[int, int]) -> None:
                          f"got {value}")
 
 
+# repetition, frequency and presence penalties and min_tokens, off.
+_PROCESSORS_OFF = (1.0, 0.0, 0.0, 0)
+
+
 def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0,
            filter_order: str = "top_k_first", random_val=None, out_dtype: torch.dtype = torch.int64,
-           backend: str = "auto") -> torch.Tensor:
+           backend: str = "auto", repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+           prompt_token_ids=None, prompt_offsets=None, output_token_ids=None, output_offsets=None,
+           logit_bias_ids=None, logit_bias_values=None, logit_bias_offsets=None, allowed_token_ids=None,
+           allowed_offsets=None, banned_token_ids=None, banned_offsets=None, min_tokens=0, stop_token_ids=None,
+           stop_offsets=None, grammar_bitmask=None, logprobs: int | None = None, logprobs_mode: str = "raw",
+           return_kept: bool = False):
     """Draw one token id per row of ``logits``.
 
     Parameters
@@ -92,12 +105,49 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
         falls within float32 rounding of a cumulative boundary (random_val within ~1e-6 of 1 on a
         large vocabulary, or a near-tie).
     out_dtype : torch.int64 or torch.int32
+    repetition_penalty, frequency_penalty, presence_penalty : float or ``(batch_size,)`` tensor
+        Logits processors, applied before temperature and the filters, in the order penalties ->
+        bias -> allowed / banned / min_tokens / grammar mask (``processors.py``). Repetition
+        (> 0, 1: off) divides a positive logit of a token seen in the prompt or the output by the
+        penalty and multiplies a negative one; frequency (in [-2, 2]) subtracts penalty x the
+        token's count in the output; presence (in [-2, 2]) subtracts the penalty where it occurs.
+    prompt_token_ids, prompt_offsets, output_token_ids, output_offsets : ragged int tensors
+        Each row's earlier tokens: ids ``[N]`` and offsets ``[batch_size + 1]`` (row ``r`` is
+        ``ids[offsets[r]:offsets[r + 1]]``; starting at 0, not decreasing, ending at ``N``).
+    logit_bias_ids, logit_bias_values, logit_bias_offsets : ragged
+        Biases added to those tokens' logits (duplicates add up).
+    allowed_token_ids, allowed_offsets : ragged
+        Only these tokens can be drawn (a row with an empty list draws nothing: -1).
+    banned_token_ids, banned_offsets : ragged
+        Never drawn.
+    min_tokens : int or ``(batch_size,)`` tensor; stop_token_ids, stop_offsets : ragged
+        The stop tokens are banned while the row's output (``output_offsets``) is shorter than
+        ``min_tokens``.
+    grammar_bitmask : int32 ``(batch_size, ceil(vocab_size / 32))``
+        Bit ``t % 32`` of word ``t // 32`` set: token ``t`` allowed (xgrammar's layout). A row
+        allowing no finite logit answers -1.
+    logprobs : None or int in [0, 20]
+        Also return a :class:`Logprobs` of the chosen tokens and the top-``logprobs`` tokens.
+    logprobs_mode : ``"raw"`` or ``"processed"``
+        ``raw``: the log-softmax of ``logits`` as given. ``processed``: of the logits after the
+        processors and temperature, over the tokens the filters kept (the others -inf; greedy
+        rows: the arg-max alone, log-probability 0). Not with ``random_val``.
+    return_kept : bool
+        Also return the kept set as ``Logprobs.kept_bitmask``, int32 ``(batch_size,
+        ceil(vocab_size / 32))`` (bit set: the token survived the filters). ``processed`` mode and
+        the kept set come from torch operations (the reference's sort-based filters), on the
+        same processed logits: a float near-tie at a filter's boundary may differ from the kernels'.
+
+    With any processor set, the processed logits (float32) are written to a new tensor that the
+    sampling launches read (float64 logits are then sampled in float32). With none set, the call
+    takes exactly the path it takes without these arguments.
 
     Returns
     -------
     torch.Tensor
         ``(batch_size,)`` token ids; -1 for a row with a NaN, with no finite logit, or (per-row
-        CUDA tensors) with a parameter that breaks its rule.
+        CUDA tensors) with a parameter that breaks its rule. With ``logprobs`` or
+        ``return_kept``: the pair ``(token_ids, Logprobs)``.
 
     Examples
     --------
@@ -112,6 +162,30 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     if logits.ndim != 2:
         raise ValueError(f"logits: must be 2-D (batch_size, vocab_size), got shape {list(logits.shape)}")
     n_rows = logits.shape[0]
+    lists = (prompt_token_ids, prompt_offsets, output_token_ids, output_offsets, logit_bias_ids, logit_bias_values,
+             logit_bias_offsets, allowed_token_ids, allowed_offsets, banned_token_ids, banned_offsets,
+             stop_token_ids, stop_offsets, grammar_bitmask)
+    # The plain call's check costs a microsecond, not Processors.of's tens.
+    plain = lists.count(None) == len(lists) and all(
+        type(v) in (int, float) and v == d for v, d in zip((repetition_penalty, frequency_penalty, presence_penalty,
+                                                            min_tokens), _PROCESSORS_OFF))
+    procs = None if plain else Processors.of(
+        n_rows, logits.shape[1], logits.device, repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, prompt_token_ids=prompt_token_ids,
+        prompt_offsets=prompt_offsets, output_token_ids=output_token_ids, output_offsets=output_offsets,
+        logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values, logit_bias_offsets=logit_bias_offsets,
+        allowed_token_ids=allowed_token_ids, allowed_offsets=allowed_offsets, banned_token_ids=banned_token_ids,
+        banned_offsets=banned_offsets, min_tokens=min_tokens, stop_token_ids=stop_token_ids,
+        stop_offsets=stop_offsets, grammar_bitmask=grammar_bitmask)
+    if logprobs is not None:
+        check_logprobs(logprobs, logprobs_mode)
+        if logprobs_mode == "processed" and random_val is not None:
+            raise ValueError("logprobs_mode 'processed' does not apply with random_val")
+    if return_kept and random_val is not None:
+        raise ValueError("return_kept does not apply with random_val")
+    raw = logits
+    if procs is not None and procs.any:
+        logits = process_logits(logits, procs, backend)
     if seed is None:
         seed = secrets.randbits(SEED_BITS)
     for param, value in ((TEMPERATURE, temperature), (TOP_K, top_k), (TOP_P, top_p), (MIN_P, min_p)):
@@ -133,5 +207,23 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
                         random_val_mode=random_val is not None, filter_order=filter_order, out_dtype=out_dtype,
                         backend=backend)
     out = torch.empty(n_rows, dtype=out_dtype, device=logits.device)
-    return plan(logits, out, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step,
-                random_val=random_val)
+    tokens = plan(logits, out, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step,
+                  random_val=random_val)
+    if logprobs is None and not return_kept:
+        return tokens
+    kept = None
+    if return_kept or logprobs_mode == "processed":
+        rows = [v if isinstance(v, torch.Tensor) else torch.full((n_rows,), v, device=logits.device)
+                for v in (temperature, top_k, top_p, min_p)]
+        kept = reference.kept_set(logits, *rows, filter_order=filter_order)
+    result = Logprobs()
+    if logprobs is not None:
+        source = raw
+        if logprobs_mode == "processed":
+            t = rows[0].to(torch.float64 if logits.dtype == torch.float64 else torch.float32)[:, None]
+            scaled = logits.to(t.dtype) / torch.where(t > 0, t, 1.0)
+            source = torch.where(kept, torch.where(t > 0, scaled, 0.0), float("-inf"))
+        result = _logprobs(source, tokens, logprobs, backend=backend)
+    if return_kept:
+        result.kept_bitmask = pack_bits(kept)
+    return tokens, result

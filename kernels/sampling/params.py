@@ -90,3 +90,30 @@ SEED_BITS = 63
 # The Python-int range a kernel seed or step may take (64-bit patterns; step non-negative).
 SEED_RANGE = (-(1 << 63), 1 << 64)
 STEP_RANGE = (0, 1 << 63)
+
+# Logits processors (applied before temperature and the filters; processors.py). Separate from
+# SAMPLING_PARAMS: those are packed per row for every launch, these only for calls that set one.
+REPETITION_PENALTY = SamplingParam("repetition_penalty", float, default=1.0, off=1.0, low=0.0, high=math.inf,
+                                   low_open=True, high_open=True, note="1 turns it off")
+FREQUENCY_PENALTY = SamplingParam("frequency_penalty", float, default=0.0, off=0.0, low=-2.0, high=2.0,
+                                  note="0 turns it off")
+PRESENCE_PENALTY = SamplingParam("presence_penalty", float, default=0.0, off=0.0, low=-2.0, high=2.0,
+                                 note="0 turns it off")
+MIN_TOKENS = SamplingParam("min_tokens", int, default=0, off=0, low=0, high=None, note="0 turns it off")
+PENALTY_PARAMS: dict[str, SamplingParam] = {p.name: p for p in (REPETITION_PENALTY, FREQUENCY_PENALTY,
+                                                                 PRESENCE_PENALTY)}
+PROCESSOR_PARAMS: dict[str, SamplingParam] = {**PENALTY_PARAMS, MIN_TOKENS.name: MIN_TOKENS}
+# The ragged lists: name -> (ids field, offsets field, what the list means). Token ids must lie in
+# [0, vocab_size); offsets are [B + 1], start at 0, never decrease, and end at the ids' length.
+RAGGED_LISTS = {
+    "prompt": ("prompt_token_ids", "prompt_offsets", "the prompt's tokens (repetition penalty)"),
+    "output": ("output_token_ids", "output_offsets", "the output so far (all penalties, min_tokens)"),
+    "logit_bias": ("logit_bias_ids", "logit_bias_offsets", "tokens whose logit gets a bias"),
+    "allowed": ("allowed_token_ids", "allowed_offsets", "the only tokens that may be drawn"),
+    "banned": ("banned_token_ids", "banned_offsets", "tokens never drawn"),
+    "stop": ("stop_token_ids", "stop_offsets", "stop tokens, banned while the output is shorter than min_tokens"),
+}
+# Logprobs: at most this many top tokens per row; the modes (raw: log-softmax of the logits as given;
+# processed: after processors, temperature and filters, removed tokens -inf).
+MAX_LOGPROBS = 20
+LOGPROBS_MODES = ("raw", "processed")

@@ -20,10 +20,13 @@ from logitserve.kernels.sampling.params import (FILTER_ORDERS, FLOAT_PARAMS, INT
 from logitserve.v1 import logitserve_pb2 as pb
 
 from ..staging import Staging, to_host
-from ..tensors import FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, pack, rows_values, tensor_field
+from ..tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, from_torch, pack, rows_values,
+                       tensor_field)
 from .batching import split, split_rows
 from .limits import Limits, answer_bytes
 from .resident import Outputs, device_inputs, launches_in_place, launches_together
+from .sample_processors import launch_processed
+from .sample_processors import parse as parse_processors
 
 # The wire's filter orders by enum value, unset meaning the first (the kernels' default).
 WIRE_FILTER_ORDERS = {pb.FILTER_ORDER_UNSPECIFIED: FILTER_ORDERS[0],
@@ -33,6 +36,7 @@ Param = Union[int, float, list]  # a scalar, or one value per row
 
 # The order from_pb checks the parameters in, which names the first broken one: seed, then the
 # table's order.
+LOGPROBS_FIELDS = ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")
 _CHECKED = (SEED, *(p for p in SAMPLING_PARAMS.values() if p is not SEED))
 _FLOAT32 = struct.Struct("f")
 
@@ -113,6 +117,12 @@ class SampleCall:
     outputs: Outputs | None = None
     regions: object = None
     answer_size: int = 0  # the answer's message size (limits.answer_bytes)
+    # Logits processors as kernel keywords (CPU tensors / scalars; sample_processors.py), and
+    # logprobs n (None: none) with its mode. Either makes the call a launch of its own.
+    processors: dict | None = None
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
+    return_kept: bool = False
 
     op = "sample"
 
@@ -129,10 +139,13 @@ class SampleCall:
             values["seed"] = _draw_seeds(rows)
         shapes = {"token_ids": (torch.int64, (rows,)), "seeds": (torch.int64, (rows,)), "valid": (torch.bool, (rows,))}
         outputs = Outputs.of(msg, "Sample", regions, path, shapes)
-        size = answer_bytes(pb.SampleResponse, shapes, outputs)
+        processors, n_logprobs, logprobs_mode = parse_processors(msg, rows, vocab, path, regions, _param)
+        size = answer_bytes(pb.SampleResponse, {**shapes, **_logprobs_shapes(rows, vocab, n_logprobs, msg.return_kept)},
+                            outputs)
         limits.check_answer(f"{path}logits", size)
         call = cls(logits=logits, filter_order=WIRE_FILTER_ORDERS[msg.filter_order], outputs=outputs,
-                   regions=regions, answer_size=size, **values)
+                   regions=regions, answer_size=size, processors=processors, logprobs=n_logprobs,
+                   logprobs_mode=logprobs_mode, return_kept=msg.return_kept, **values)
         if call.random_val is not None and _any_nonzero(call.min_p):
             raise ValueError(f"{path}min_p: must be 0 with random_val (InfiniCore's random_sample has no min-p)")
         return call
@@ -148,7 +161,9 @@ class SampleCall:
     @property
     def key(self):
         """The key of calls that may share a launch; the last item: whether the kernel draws its
-        own random values (no random_val)."""
+        own random values (no random_val). None (a group of its own) with processors or logprobs."""
+        if self.processors is not None or self.logprobs is not None or self.return_kept:
+            return None
         return (self.op, self.logits.dtype, self.logits.shape[1], self.filter_order, self.random_val is None)
 
     def seeds(self) -> list[int]:
@@ -168,6 +183,12 @@ class SampleCall:
 
     @staticmethod
     async def run_batch(calls: list["SampleCall"], handle) -> list["SampleResult"]:
+        if calls[0].key is None:  # processors, logprobs or the kept set: a group of one
+            results = []
+            for c in calls:
+                tokens, lp = await handle.run(launch_processed, c, handle, _param_names([c]))
+                results.append(SampleResult(tokens.tolist(), c.seeds(), c.outputs, written=True, logprobs=lp))
+            return results
         if launches_in_place(calls, handle.device):
             done = await handle.run(_launch_in_place, calls, handle)
             return [SampleResult(tokens.tolist(), c.seeds(), c.outputs, written=True) for tokens, c in done]
@@ -226,14 +247,38 @@ def _launch_in_place(calls: list[SampleCall], handle) -> list[tuple[torch.Tensor
     return done
 
 
+def _logprobs_shapes(rows: int, vocab: int, n: int | None, kept: bool) -> dict:
+    """The answer's logprobs fields (dtype, shape) as SampleResult.to_pb writes them: the chosen
+    token's logprob and rank when logprobs are asked for, the top ``n`` when n > 0, the kept set."""
+    shapes = {}
+    if n is not None:
+        shapes.update(token_logprobs=(torch.float32, (rows,)), token_ranks=(torch.int64, (rows,)))
+        if n > 0:
+            shapes.update(top_token_ids=(torch.int64, (rows, n)), top_logprobs=(torch.float32, (rows, n)))
+    if kept:
+        shapes["kept_bitmask"] = (torch.int32, (rows, (vocab + 31) // 32))
+    return shapes
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int]
     seeds: list[int]
     outputs: Outputs | None = None  # the outputs that go into regions
     written: bool = False  # they are there already (else to_pb writes them: system regions)
+    # (token_logprobs, token_ranks, top_token_ids, top_logprobs, kept_bitmask) as CPU tensors (or
+    # None), when asked for.
+    logprobs: tuple | None = None
 
     def to_pb(self) -> pb.SampleResponse:
+        response = self._tokens_pb()
+        if self.logprobs is not None:
+            for name, value in zip(LOGPROBS_FIELDS, self.logprobs):
+                if value is not None and value.numel():  # top-0: no top fields (no empty tensors)
+                    getattr(response, name).CopyFrom(from_torch(value))
+        return response
+
+    def _tokens_pb(self) -> pb.SampleResponse:
         if self.outputs is not None:
             return self._to_regions()
         # Built from Python ints with struct: torch calls on the event loop cost far more. The

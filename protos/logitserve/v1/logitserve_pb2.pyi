@@ -67,7 +67,7 @@ class RegionRef(_message.Message):
     def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("logits", "temperature", "temperature_rows", "top_k", "top_k_rows", "top_p", "top_p_rows", "min_p", "min_p_rows", "seed", "seed_rows", "step", "step_rows", "filter_order", "random_val", "random_val_rows", "output_regions")
+    __slots__ = ("logits", "temperature", "temperature_rows", "top_k", "top_k_rows", "top_p", "top_p_rows", "min_p", "min_p_rows", "seed", "seed_rows", "step", "step_rows", "filter_order", "random_val", "random_val_rows", "output_regions", "prompt_token_ids", "prompt_offsets", "output_token_ids", "output_offsets", "repetition_penalty", "repetition_penalty_rows", "frequency_penalty", "frequency_penalty_rows", "presence_penalty", "presence_penalty_rows", "logit_bias_ids", "logit_bias_values", "logit_bias_offsets", "allowed_token_ids", "allowed_offsets", "banned_token_ids", "banned_offsets", "min_tokens", "min_tokens_rows", "stop_token_ids", "stop_offsets", "grammar_bitmask", "logprobs", "logprobs_mode", "return_kept")
     class OutputRegionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,31 @@ class SampleRequest(_message.Message):
     RANDOM_VAL_FIELD_NUMBER: _ClassVar[int]
     RANDOM_VAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    BANNED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BANNED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_BITMASK_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_KEPT_FIELD_NUMBER: _ClassVar[int]
     logits: Tensor
     temperature: float
     temperature_rows: Tensor
@@ -109,17 +134,52 @@ class SampleRequest(_message.Message):
     random_val: float
     random_val_rows: Tensor
     output_regions: _containers.MessageMap[str, RegionRef]
-    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_k: _Optional[int] = ..., top_k_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_p: _Optional[float] = ..., top_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., min_p: _Optional[float] = ..., min_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., seed_rows: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ..., step_rows: _Optional[_Union[Tensor, _Mapping]] = ..., filter_order: _Optional[_Union[FilterOrder, str]] = ..., random_val: _Optional[float] = ..., random_val_rows: _Optional[_Union[Tensor, _Mapping]] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ...) -> None: ...
+    prompt_token_ids: Tensor
+    prompt_offsets: Tensor
+    output_token_ids: Tensor
+    output_offsets: Tensor
+    repetition_penalty: float
+    repetition_penalty_rows: Tensor
+    frequency_penalty: float
+    frequency_penalty_rows: Tensor
+    presence_penalty: float
+    presence_penalty_rows: Tensor
+    logit_bias_ids: Tensor
+    logit_bias_values: Tensor
+    logit_bias_offsets: Tensor
+    allowed_token_ids: Tensor
+    allowed_offsets: Tensor
+    banned_token_ids: Tensor
+    banned_offsets: Tensor
+    min_tokens: int
+    min_tokens_rows: Tensor
+    stop_token_ids: Tensor
+    stop_offsets: Tensor
+    grammar_bitmask: Tensor
+    logprobs: int
+    logprobs_mode: str
+    return_kept: bool
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_k: _Optional[int] = ..., top_k_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_p: _Optional[float] = ..., top_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., min_p: _Optional[float] = ..., min_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., seed_rows: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ..., step_rows: _Optional[_Union[Tensor, _Mapping]] = ..., filter_order: _Optional[_Union[FilterOrder, str]] = ..., random_val: _Optional[float] = ..., random_val_rows: _Optional[_Union[Tensor, _Mapping]] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., output_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., repetition_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., frequency_penalty: _Optional[float] = ..., frequency_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., presence_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_values: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., banned_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., banned_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., min_tokens: _Optional[int] = ..., min_tokens_rows: _Optional[_Union[Tensor, _Mapping]] = ..., stop_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., stop_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grammar_bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., return_kept: _Optional[bool] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("token_ids", "seeds", "valid")
+    __slots__ = ("token_ids", "seeds", "valid", "token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEEDS_FIELD_NUMBER: _ClassVar[int]
     VALID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_BITMASK_FIELD_NUMBER: _ClassVar[int]
     token_ids: Tensor
     seeds: Tensor
     valid: Tensor
-    def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Union[Tensor, _Mapping]] = ..., valid: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    token_logprobs: Tensor
+    token_ranks: Tensor
+    top_token_ids: Tensor
+    top_logprobs: Tensor
+    kept_bitmask: Tensor
+    def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Union[Tensor, _Mapping]] = ..., valid: _Optional[_Union[Tensor, _Mapping]] = ..., token_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., token_ranks: _Optional[_Union[Tensor, _Mapping]] = ..., top_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., kept_bitmask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RouteExpertsRequest(_message.Message):
     __slots__ = ("gate_logits", "k", "renormalize", "output_regions", "scoring", "correction_bias", "n_group", "topk_group", "group_score", "routed_scaling_factor")
