@@ -20,7 +20,7 @@ protobuf and numpy; torch is optional (torch tensors are accepted when it is ins
 Modules, from the top: :mod:`.client` (``Client``, ``AsyncClient``: the operator methods and
 the calls), :mod:`.region_methods` (the SharedMemory service's methods, a mixin of both
 clients), :mod:`.transport` (channel, method paths, timeout, backoff, CUDA synchronization),
-:mod:`.messages` (requests built from tensors, answers read), :mod:`.region_table` (the regions
+:mod:`.messages` (requests built from tensors), :mod:`.results` (answers read), :mod:`.region_table` (the regions
 a client registered, found by address), :mod:`.regions` (shared memory to register and the
 SharedMemory messages), :mod:`.wire` (serialization with tensor bytes copied once, answers read
 in place), :mod:`.codec` (tensors to and from Tensor messages), :mod:`.errors`.
@@ -28,6 +28,6 @@ in place), :mod:`.codec` (tensors to and from Tensor messages), :mod:`.errors`.
 
 from .client import AsyncClient, Client
 from .errors import LogitServeError
-from .messages import SampleResult, ServerInfo, StepResult
+from .results import SampleResult, ServerInfo, StepResult
 
 __all__ = ["AsyncClient", "Client", "LogitServeError", "SampleResult", "ServerInfo", "StepResult"]

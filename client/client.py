@@ -25,9 +25,9 @@ import grpc
 
 from logitserve.v1 import logitserve_pb2 as pb
 
-from . import messages, wire
+from . import messages, results, wire
 from .errors import LogitServeError
-from .messages import SampleResult, ServerInfo, StepResult
+from .results import SampleResult, ServerInfo, StepResult
 from .region_methods import RegionMethods
 from .region_table import RegionTable
 from .transport import (BACKOFF_INITIAL_S, BACKOFF_MAX_S, CLIENT_TIMEOUT, METHOD_PATHS, open_channel, parse_as,
@@ -86,7 +86,7 @@ class _Methods(RegionMethods):
         synchronize(enc.cuda_devices, stream)
         payload = enc.serialize(msg, self._recycler)
         self._recycler.give_back(payload)  # reused only once nothing references it (after this call)
-        return self._call(rpc, payload, timeout, messages.reader(response_type, read, enc.outputs))
+        return self._call(rpc, payload, timeout, results.reader(response_type, read, enc.outputs))
 
     def _simple(self, rpc: str, msg, response_type, convert, timeout, after=None):
         return self._call(rpc, msg.SerializeToString(), timeout, parse_as(response_type, convert, after))
@@ -144,7 +144,7 @@ class _Methods(RegionMethods):
         msg = messages.build_sample(enc, (), logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     seed=seed, step=step, filter_order=filter_order, random_val=random_val, out=out,
                                     **processors)
-        return self._send("Sample", enc, msg, pb.SampleResponse, messages.sample_result, timeout, stream)
+        return self._send("Sample", enc, msg, pb.SampleResponse, results.sample_result, timeout, stream)
 
     def route_experts(self, gate_logits, k: int, renormalize: bool = False, *, scoring: str = "softmax",
                       correction_bias=None, n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
@@ -160,7 +160,7 @@ class _Methods(RegionMethods):
                                            correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
                                            group_score=group_score, routed_scaling_factor=routed_scaling_factor,
                                            out=out)
-        return self._send("RouteExperts", enc, msg, pb.RouteExpertsResponse, messages.route_experts_result, timeout,
+        return self._send("RouteExperts", enc, msg, pb.RouteExpertsResponse, results.route_experts_result, timeout,
                           stream)
 
     def softmax(self, x, dim: int = -1, *, out=None, stream=None, timeout=CLIENT_TIMEOUT):
@@ -168,28 +168,28 @@ class _Methods(RegionMethods):
         written into ``out`` (registered, x's dtype and shape) and returned."""
         enc = self._encoder()
         msg = messages.build_softmax(enc, (), x, dim, out=out)
-        return self._send("Softmax", enc, msg, pb.SoftmaxResponse, messages.tensor_result, timeout, stream)
+        return self._send("Softmax", enc, msg, pb.SoftmaxResponse, results.tensor_result, timeout, stream)
 
     def causal_softmax(self, x, *, out=None, stream=None, timeout=CLIENT_TIMEOUT):
         """Causal softmax of scores ``[S, T]`` or ``[B, S, T]`` (row i sees columns j <= T - S + i);
         ``out`` as in :meth:`softmax`."""
         enc = self._encoder()
         msg = messages.build_causal_softmax(enc, (), x, out=out)
-        return self._send("CausalSoftmax", enc, msg, pb.CausalSoftmaxResponse, messages.tensor_result, timeout,
+        return self._send("CausalSoftmax", enc, msg, pb.CausalSoftmaxResponse, results.tensor_result, timeout,
                           stream)
 
     def silu(self, x, *, out=None, stream=None, timeout=CLIENT_TIMEOUT):
         """``x * sigmoid(x)``; ``out`` as in :meth:`softmax`."""
         enc = self._encoder()
         msg = messages.build_silu(enc, (), x, out=out)
-        return self._send("Silu", enc, msg, pb.SiluResponse, messages.tensor_result, timeout, stream)
+        return self._send("Silu", enc, msg, pb.SiluResponse, results.tensor_result, timeout, stream)
 
     def swiglu(self, gate, up, *, out=None, stream=None, timeout=CLIENT_TIMEOUT):
         """``silu(gate) * up``, broadcasting as numpy and torch do; ``out``: registered, gate's
         dtype and the broadcast shape."""
         enc = self._encoder()
         msg = messages.build_swiglu(enc, (), gate, up, out=out)
-        return self._send("Silu", enc, msg, pb.SiluResponse, messages.tensor_result, timeout, stream)
+        return self._send("Silu", enc, msg, pb.SiluResponse, results.tensor_result, timeout, stream)
 
     def step(self, *, id: str = "", sample=None, route_experts=None, softmax=None, causal_softmax=None,
              silu=None, swiglu=None, stream=None, timeout=CLIENT_TIMEOUT) -> StepResult:
@@ -199,12 +199,12 @@ class _Methods(RegionMethods):
         enc = self._encoder()
         msg = messages.build_step(enc, id, sample=sample, route_experts=route_experts, softmax=softmax,
                                   causal_softmax=causal_softmax, silu=silu, swiglu=swiglu)
-        return self._send("Step", enc, msg, pb.StepResponse, messages.step_result, timeout, stream)
+        return self._send("Step", enc, msg, pb.StepResponse, results.step_result, timeout, stream)
 
     def server_info(self, *, timeout=CLIENT_TIMEOUT) -> ServerInfo:
         """The server's version, device, backend, dtypes, limits and counters."""
         return self._simple("GetServerInfo", pb.GetServerInfoRequest(), pb.GetServerInfoResponse,
-                            messages.server_info, timeout)
+                            results.server_info, timeout)
 
 
 class Client(_Methods):
@@ -265,7 +265,7 @@ class Client(_Methods):
                                             metadata=self._metadata)
         try:
             for raw in call:
-                yield messages.reader(pb.StepResponse, messages.step_result, pending.popleft())(raw)
+                yield results.reader(pb.StepResponse, results.step_result, pending.popleft())(raw)
         except grpc.RpcError as exc:
             raise LogitServeError.from_rpc_error(exc) from None
         finally:
@@ -340,7 +340,7 @@ class AsyncClient(_Methods):
         call = self._methods["StreamSteps"](requests(), timeout=remaining, metadata=self._metadata)
         try:
             async for raw in call:
-                yield messages.reader(pb.StepResponse, messages.step_result, pending.popleft())(raw)
+                yield results.reader(pb.StepResponse, results.step_result, pending.popleft())(raw)
         except grpc.RpcError as exc:
             raise LogitServeError.from_rpc_error(exc) from None
         finally:

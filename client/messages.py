@@ -1,77 +1,27 @@
-"""Requests from Python arguments, results from responses: shared by Client and AsyncClient.
+"""Requests from Python arguments, shared by Client and AsyncClient (answers: :mod:`.results`).
 
 An :class:`Encoder` builds one request: each tensor argument becomes a ``Tensor`` that names a
 region (when it lies in one registered through the client, found by its address) or whose bytes
 are held apart, to be framed into the serialized request once (:mod:`.wire`); ``out=`` arguments
 become the request's ``output_regions``. The ``*_request`` functions build complete messages
-(bytes inside) for callers that want the message itself; the ``*_result`` functions read answers,
-returning an ``out=`` argument itself for each output the server wrote into a region.
+(bytes inside) for callers that want the message itself.
 """
 
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
 from typing import Any, Mapping
-
-import grpc
 
 import numpy as np
 
 from logitserve.v1 import logitserve_pb2 as pb
 
 from . import codec, wire
-from .codec import decode, dtype_name, is_torch
-from .errors import LogitServeError
+from .codec import dtype_name, is_torch
 from .region_table import RegionTable
 
 FILTER_ORDERS = {"top_k_first": pb.FILTER_ORDER_TOP_K_FIRST, "joint": pb.FILTER_ORDER_JOINT}
 STEP_OPS = ("sample", "route_experts", "softmax", "causal_softmax", "silu", "swiglu")
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    """Sample's answer, per row: the token (-1 where the row had a NaN or no finite logit), the
-    seed used (give it back as ``seed=`` to replay the row) and whether a token was produced."""
-
-    token_ids: np.ndarray  # int64 [B]
-    seeds: np.ndarray  # int64 [B]
-    valid: np.ndarray  # bool [B]
-    # With logprobs=n: the chosen token's log-probability float32 [B] (NaN where invalid) and rank
-    # int64 [B] (1 = most probable), the top-n token ids int64 [B, n] and logprobs float32 [B, n].
-    token_logprobs: np.ndarray | None = None
-    token_ranks: np.ndarray | None = None
-    top_token_ids: np.ndarray | None = None
-    top_logprobs: np.ndarray | None = None
-    # With return_kept: int32 [B, ceil(V / 32)], bit t % 32 of word t // 32 set where token t
-    # survived the filters.
-    kept_bitmask: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Step's answers: each field is set where the step asked for that operator."""
-
-    id: str
-    sample: SampleResult | None = None
-    route_experts: tuple[np.ndarray, np.ndarray] | None = None  # (weights, indices)
-    softmax: np.ndarray | None = None
-    causal_softmax: np.ndarray | None = None
-    silu: np.ndarray | None = None  # silu(x), or swiglu(gate, up)
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    """What the server runs on and accepts."""
-
-    version: str
-    device: str
-    device_name: str
-    backend: str
-    dtypes: tuple[str, ...]
-    warmed_dtypes: tuple[str, ...]
-    limits: dict[str, int]
-    stats: dict[str, int]
 
 
 # ------------------------------------------------------------------------------------ requests
@@ -369,74 +319,3 @@ def step_request(id: str = "", **ops: Mapping[str, Any] | None) -> pb.StepReques
 def as_step_request(step) -> pb.StepRequest:
     """A StepRequest from a StepRequest or a dict of :func:`step_request`'s arguments."""
     return step if isinstance(step, pb.StepRequest) else step_request(**step)
-
-
-# ------------------------------------------------------------------------------------- results
-
-Views = Mapping[wire.Path, memoryview]
-_NONE: dict = {}
-
-
-def _tensor(msg: pb.Tensor, path: wire.Path, views: Views, outputs: Mapping[wire.Path, Any]):
-    """An answer's tensor: the caller's ``out=`` object where the server wrote it into a region,
-    else a numpy array decoded from its bytes (``views[path]`` when read apart)."""
-    given = outputs.get(path)
-    if given is not None:
-        if not msg.HasField("region"):
-            raise LogitServeError(grpc.StatusCode.UNIMPLEMENTED,
-                                  f"{'.'.join(path)}: asked for in a region, but the server answered bytes "
-                                  f"(a server without output regions?)")
-        return given
-    return decode(msg, ".".join(path), views.get(path))
-
-
-def sample_result(msg: pb.SampleResponse, views: Views = _NONE, outputs=_NONE, path: wire.Path = ()) -> SampleResult:
-    logprobs = {name: _tensor(getattr(msg, name), (*path, name), views, outputs) for name in SAMPLE_LOGPROBS
-                if msg.HasField(name)}
-    return SampleResult(*(_tensor(getattr(msg, name), (*path, name), views, outputs) for name in SAMPLE_OUTPUTS),
-                        **logprobs)
-
-
-def route_experts_result(msg: pb.RouteExpertsResponse, views: Views = _NONE, outputs=_NONE,
-                         path: wire.Path = ()) -> tuple[np.ndarray, np.ndarray]:
-    return tuple(_tensor(getattr(msg, name), (*path, name), views, outputs) for name in ROUTE_OUTPUTS)
-
-
-def tensor_result(msg, views: Views = _NONE, outputs=_NONE, path: wire.Path = ()) -> np.ndarray:
-    return _tensor(msg.out, (*path, "out"), views, outputs)
-
-
-def step_result(msg: pb.StepResponse, views: Views = _NONE, outputs=_NONE) -> StepResult:
-    def part(name, read, slot=None):
-        slot = slot or name
-        return read(getattr(msg, slot), views, outputs, (slot,)) if msg.HasField(slot) else None
-
-    return StepResult(
-        id=msg.id,
-        sample=part("sample", sample_result),
-        route_experts=part("route_experts", route_experts_result),
-        softmax=part("softmax", tensor_result),
-        causal_softmax=part("causal_softmax", tensor_result),
-        silu=part("silu", tensor_result),
-    )
-
-
-def reader(response_type, read, outputs=_NONE):
-    """``raw answer bytes -> result``: the tensors' bytes read where they arrived
-    (:func:`.wire.split`), ``outputs`` (an Encoder's) returned for those written into regions."""
-
-    def parse(raw: bytes):
-        msg, views = wire.split(raw, response_type)
-        return read(msg, views, outputs)
-
-    return parse
-
-
-def server_info(msg: pb.GetServerInfoResponse) -> ServerInfo:
-    def fields(m) -> dict[str, int]:
-        return {f.name: getattr(m, f.name) for f in m.DESCRIPTOR.fields}
-
-    return ServerInfo(
-        version=msg.version, device=msg.device, device_name=msg.device_name, backend=msg.backend,
-        dtypes=tuple(dtype_name(d) for d in msg.dtypes), warmed_dtypes=tuple(dtype_name(d) for d in msg.warmed_dtypes),
-        limits=fields(msg.limits), stats=fields(msg.stats))

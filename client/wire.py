@@ -178,7 +178,6 @@ def _emit(buf: bytes, start: int, end: int, tree: dict, data, pieces: list, foun
     pos = copied = start
     total = 0
     while pos < end:
-        tag_at = pos
         tag, pos = _varint(buf, pos)
         if tag & 7 != LEN:
             pos = _skip(buf, pos, tag & 7)

@@ -13,13 +13,8 @@ same inputs and seeds (``backend="torch"``); each invalid request must get its s
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
 import dataclasses
 import random
-import statistics
-import time
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -28,9 +23,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from logitserve import kernels
-from logitserve.client import AsyncClient, LogitServeError
+from logitserve.client import AsyncClient
 from logitserve.client.codec import encode
-from logitserve.server.process import ServerProcess
 from logitserve.v1 import logitserve_pb2 as pb
 
 OK = grpc.StatusCode.OK

@@ -14,7 +14,7 @@ import torch
 from recording_server import recording_server
 
 from logitserve.client import AsyncClient, Client
-from logitserve.client import codec, messages, wire
+from logitserve.client import codec, messages, results, wire
 from logitserve.v1 import logitserve_pb2 as pb
 
 NP_DTYPES = ["float16", "float32", "float64"]
@@ -162,9 +162,9 @@ def _answers():
     out = pb.SoftmaxResponse(out=t(torch.randn(4, 5).to(torch.bfloat16)))
     step = pb.StepResponse(id="s", sample=sample, route_experts=route, softmax=out,
                            silu=pb.SiluResponse(out=t(np.ones(2, np.float16))))
-    return [(pb.SampleResponse, sample, messages.sample_result), (pb.RouteExpertsResponse, route,
-            messages.route_experts_result), (pb.SoftmaxResponse, out, messages.tensor_result),
-            (pb.StepResponse, step, messages.step_result)]
+    return [(pb.SampleResponse, sample, results.sample_result), (pb.RouteExpertsResponse, route,
+            results.route_experts_result), (pb.SoftmaxResponse, out, results.tensor_result),
+            (pb.StepResponse, step, results.step_result)]
 
 
 @pytest.mark.parametrize("kind,msg,read", _answers())
@@ -174,7 +174,7 @@ def test_answers_are_read_where_they_arrived(kind, msg, read):
     assert views and all(v.obj is raw for v in views.values())  # views of the received bytes
     assert all(not t.data for t in _tensors(parsed))
     assert repr(read(parsed, views)) == repr(read(msg))  # the same values as through protobuf's copies
-    result = messages.reader(kind, read)(raw)
+    result = results.reader(kind, read)(raw)
     first = result if isinstance(result, np.ndarray) else (result[0] if isinstance(result, tuple) else None)
     if first is not None:
         assert first.flags.writeable

@@ -17,7 +17,7 @@ import torch
 from recording_server import recording_server
 
 from logitserve.client import AsyncClient, Client, LogitServeError, SampleResult
-from logitserve.client import codec, messages, regions
+from logitserve.client import codec, messages, regions, results
 from logitserve.client.region_table import RegionTable
 from logitserve.client.transport import synchronize
 from logitserve.v1 import logitserve_pb2 as pb
@@ -210,7 +210,7 @@ def test_a_server_that_answers_bytes_for_an_out_region_is_an_error(host):
     messages.build_softmax(enc, (), buf.array, out=buf.array)
     raw = pb.SoftmaxResponse(out=codec.encode(np.zeros((2, 4), np.float32))).SerializeToString()
     with pytest.raises(LogitServeError, match="asked for in a region, but the server answered bytes"):
-        messages.reader(pb.SoftmaxResponse, messages.tensor_result, enc.outputs)(raw)
+        results.reader(pb.SoftmaxResponse, results.tensor_result, enc.outputs)(raw)
 
 
 def test_cuda_streams_are_synchronized_only_for_calls_naming_cuda_memory(monkeypatch):

@@ -80,7 +80,7 @@ class RegionLease:
 
     __slots__ = ("view", "kind", "dtype", "shape", "region", "_registry", "_region")
 
-    def __init__(self, registry: registry, region: Region, view, dtype, shape):
+    def __init__(self, registry, region: Region, view, dtype, shape):
         self._registry, self._region = registry, region
         self.view, self.kind, self.dtype, self.shape = view, region.kind, dtype, shape
         self.region = region.name
