@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from ._backend import launchable, resolve_backend
-from ._plan import TensorSpec, check_dtype, check_same_device, check_tensor, plan_cache
+from ._plan import TensorSpec, check_same_device, check_tensor, plan_cache
 from .reference import route_experts as reference
-from .topk_softmax import (GATE_DTYPES, MAX_EXPERTS, TopkSoftmaxPlan, _bitonic_topk, num_warps_for, rows_per_program,
+from .topk_softmax import (TopkSoftmaxPlan, _bitonic_topk, check_gate_logits, num_warps_for, rows_per_program,
                            use_sort)
 
 SCORINGS = ("softmax", "sigmoid")
@@ -229,12 +229,7 @@ class RouteExpertsPlan:
                  correction_bias: TensorSpec | None = None, n_group: int = 1, topk_group: int = 1,
                  group_score: str = "top2_sum", renormalize: bool = False, routed_scaling_factor: float = 1.0,
                  backend: str = "auto"):
-        check_dtype("gate_logits", gate_logits.dtype, GATE_DTYPES)
-        if gate_logits.ndim != 2:
-            raise ValueError(f"gate_logits: must be 2-D (num_tokens, num_experts), got shape {gate_logits.shape}")
-        n_rows, n_experts = gate_logits.shape
-        if not 1 <= n_experts <= MAX_EXPERTS:
-            raise ValueError(f"gate_logits: num_experts must be in [1, {MAX_EXPERTS}], got {n_experts}")
+        n_rows, n_experts = check_gate_logits(gate_logits)
         _check_options(k, scoring, n_group, topk_group, group_score, renormalize, routed_scaling_factor)
         check_group_options(n_experts, k, n_group, topk_group, group_score, routed_scaling_factor)
         if correction_bias is not None:

@@ -195,6 +195,18 @@ def _check_option_types(k, renormalize) -> None:
         raise TypeError(f"renormalize: must be a bool, got {type(renormalize).__name__}")
 
 
+def check_gate_logits(gate_logits: TensorSpec) -> tuple[int, int]:
+    """``(num_tokens, num_experts)`` of a router's gate logits, after the rules every router
+    shares: a float16 / bfloat16 / float32 matrix of 1 to MAX_EXPERTS experts."""
+    check_dtype("gate_logits", gate_logits.dtype, GATE_DTYPES)
+    if gate_logits.ndim != 2:
+        raise ValueError(f"gate_logits: must be 2-D (num_tokens, num_experts), got shape {gate_logits.shape}")
+    n_rows, n_experts = gate_logits.shape
+    if not 1 <= n_experts <= MAX_EXPERTS:
+        raise ValueError(f"gate_logits: num_experts must be in [1, {MAX_EXPERTS}], got {n_experts}")
+    return n_rows, n_experts
+
+
 class TopkSoftmaxPlan:
     """Route tokens to experts: ``(weights, indices)`` of the ``k`` most probable experts per row.
 
@@ -225,12 +237,7 @@ class TopkSoftmaxPlan:
     """
 
     def __init__(self, gate_logits: TensorSpec, k: int, *, renormalize: bool = False, backend: str = "auto"):
-        check_dtype("gate_logits", gate_logits.dtype, GATE_DTYPES)
-        if gate_logits.ndim != 2:
-            raise ValueError(f"gate_logits: must be 2-D (num_tokens, num_experts), got shape {gate_logits.shape}")
-        n_rows, n_experts = gate_logits.shape
-        if not 1 <= n_experts <= MAX_EXPERTS:
-            raise ValueError(f"gate_logits: num_experts must be in [1, {MAX_EXPERTS}], got {n_experts}")
+        n_rows, n_experts = check_gate_logits(gate_logits)
         _check_option_types(k, renormalize)
         if not 1 <= k <= n_experts:
             raise ValueError(f"k: must satisfy 1 <= k <= num_experts ({n_experts}), got {k}")

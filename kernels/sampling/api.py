@@ -13,8 +13,8 @@ import secrets
 import torch
 
 from .._plan import TensorSpec
-from .params import (MIN_P, RANDOM_VAL, SEED, SEED_BITS, SEED_RANGE, STEP, STEP_RANGE, TEMPERATURE, TOP_K, TOP_P,
-                     SamplingParam)
+from .params import (FREQUENCY_PENALTY, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, RANDOM_VAL, REPETITION_PENALTY, SEED,
+                     SEED_BITS, SEED_RANGE, STEP, STEP_RANGE, TEMPERATURE, TOP_K, TOP_P, SamplingParam)
 from ..reference import sample as reference
 from .logprobs import Logprobs, check_logprobs, pack_bits
 from .logprobs import logprobs as _logprobs
@@ -68,8 +68,8 @@ def _check_counter(name: str, value, valid: tuple[int, int]) -> None:
                          f"got {value}")
 
 
-# repetition, frequency and presence penalties and min_tokens, off.
-_PROCESSORS_OFF = (1.0, 0.0, 0.0, 0)
+# The values that turn the repetition, frequency and presence penalties and min_tokens off.
+_PROCESSORS_OFF = tuple(p.off for p in (REPETITION_PENALTY, FREQUENCY_PENALTY, PRESENCE_PENALTY, MIN_TOKENS))
 
 
 def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0,
