@@ -40,6 +40,10 @@ from .staging import Staging
 GRAPH_MAX_BYTES = 16 << 20
 # Page-locked input buffers kept for graphs, all keys together (device memory is as much again).
 GRAPH_BUDGET_BYTES = 1 << 30
+# Graphs kept, all keys together: launches on a client's memory in place (server/ops/resident.py)
+# are keyed by its addresses, and stage a few bytes each, so the byte budget alone would not
+# bound them.
+GRAPH_MAX_COUNT = 256
 
 Launch = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -104,6 +108,7 @@ class LaunchGraphs:
         self.device, self.stream = device, stream
         self.max_bytes, self.budget_bytes = max_bytes, budget_bytes
         self._graphs: OrderedDict[tuple, CapturedLaunch] = OrderedDict()
+        self._seen: OrderedDict[tuple, None] = OrderedDict()  # keys launched once (seen_again)
         self._bytes = 0
         self.captures = 0
         self.replays = 0
@@ -118,9 +123,22 @@ class LaunchGraphs:
             self._graphs.move_to_end((key, bucket))
         return graph
 
+    def seen_again(self, key) -> bool:
+        """Whether ``key`` was asked about before (among the last :data:`GRAPH_MAX_COUNT` keys);
+        records it. For keys a client chooses (addresses in its memory): capturing on a key's
+        first use would cost a capture per call to a client that never reuses a buffer, so those
+        launch eagerly once and capture on the second use."""
+        if key in self._seen:
+            self._seen.move_to_end(key)
+            return True
+        self._seen[key] = None
+        while len(self._seen) > GRAPH_MAX_COUNT:
+            self._seen.popitem(last=False)
+        return False
+
     def capture(self, key, bucket: int, stage: Staging, launch: Launch) -> CapturedLaunch:
         """Capture ``launch`` over ``stage`` (``bucket`` rows) for ``key``, on the device's launch thread."""
-        while self._graphs and self._bytes + stage.nbytes > self.budget_bytes:
+        while self._graphs and (self._bytes + stage.nbytes > self.budget_bytes or len(self._graphs) >= GRAPH_MAX_COUNT):
             _, dropped = self._graphs.popitem(last=False)
             self._bytes -= dropped.nbytes
         graph = self._graphs[(key, bucket)] = CapturedLaunch(stage, launch, self.device, self.stream)

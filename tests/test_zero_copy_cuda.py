@@ -240,3 +240,33 @@ def test_cuda_handles_that_do_not_open(alice):
         with pytest.raises(grpc.RpcError) as info:
             alice.Sample(pb.SampleRequest(logits=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 4], region=ref)))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(message)
+
+
+def test_a_reused_device_buffer_replays_a_graph_that_follows_each_call(alice):
+    """A lone call on the same device buffer and output slots: the first launches eagerly, the
+    second captures a CUDA graph keyed by those addresses, later ones replay it. Each answer
+    follows its own call's contents and parameters, whichever way it ran."""
+    arena = alice.arena
+    rows, vocab = 3, 5003
+    tensor = arena.put(logits_of(rows, vocab, 20))
+    at = tensor.region.offset
+    refs = {"token_ids": arena.out(torch.int64, (rows,)), "seeds": arena.out(torch.int64, (rows,)),
+            "valid": arena.out(torch.bool, (rows,))}
+    for i in range(5):
+        logits = logits_of(rows, vocab, 30 + i)
+        arena.mem[at:at + logits.nbytes].view(torch.float32).copy_(logits.reshape(-1))
+        torch.cuda.synchronize()
+        seeds = torch.tensor([7 * i + 1, 7 * i + 2, 7 * i + 3], dtype=torch.int64)
+        temperature, top_k = 0.5 + 0.2 * i, 20 + i
+        outputs = refs if i != 3 else {"token_ids": refs["token_ids"]}  # another key: eager again
+        answer = alice.Sample(pb.SampleRequest(logits=tensor, seed_rows=pb.Tensor(
+            dtype=pb.DTYPE_INT64, shape=[rows], data=seeds.numpy().tobytes()), temperature=temperature, top_k=top_k,
+            step=i, output_regions=outputs))
+        expect = kernels.sample(logits, temperature=temperature, top_k=top_k, seed=seeds.to(DEVICE), step=i,
+                                backend="triton")
+        assert torch.equal(arena.read(answer.token_ids, refs["token_ids"], torch.int64), expect), f"call {i}"
+        if i != 3:
+            assert torch.equal(arena.read(answer.seeds, refs["seeds"], torch.int64).cpu(), seeds), f"call {i}"
+            assert arena.read(answer.valid, refs["valid"], torch.bool).all(), f"call {i}"
+        else:
+            np.testing.assert_array_equal(value(answer.seeds), seeds.numpy())

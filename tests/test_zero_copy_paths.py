@@ -159,3 +159,28 @@ def test_tensor_ops_write_out_into_device_memory(handle, op):
         expect = kernels.swiglu(x, up, backend="torch") if op == "swiglu" else getattr(kernels, op)(x, backend="torch")
         assert result.to_pb().out.region == ref
         torch.testing.assert_close(mem.read(ref, torch.float32, x.shape), expect, rtol=0, atol=0)
+
+
+def test_graph_keys_follow_the_client_addresses_and_capture_on_second_use():
+    from types import SimpleNamespace
+
+    from logitserve.server.graphs import LaunchGraphs
+    from logitserve.server.ops.resident import graph_key
+
+    mem = DeviceMemory()
+    handle = SimpleNamespace(device=torch.device("cpu"), graphs=LaunchGraphs(torch.device("cpu"), None))
+    x = torch.randn(2, 50)
+    logits = mem.put(x)
+    out = {"token_ids": mem.out(torch.int64, (2,))}
+
+    def key(**fields):
+        return graph_key(ops.SampleCall.from_pb(pb.SampleRequest(**fields), LIMITS, regions=CallRegions(mem)), handle)
+
+    first = key(logits=logits, output_regions=out, seed=1)
+    assert first == key(logits=logits, output_regions=out, seed=2, temperature=0.3)  # parameters are staged
+    assert first != key(logits=logits, seed=1)  # other outputs
+    assert first != key(logits=mem.put(x), output_regions=out, seed=1)  # another address
+    assert not handle.graphs.seen_again(first) and handle.graphs.seen_again(first)
+    assert key(logits=logits, output_regions=out, seed=1, logprobs=1) is None  # processors: eager, a launch of its own
+    handle.graphs = None
+    assert key(logits=logits, seed=1) is None

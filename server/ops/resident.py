@@ -7,8 +7,13 @@ An input is read in place (:func:`reads_in_place`) when it is a :class:`~..tenso
 path (server/staging.py): on CUDA, one host-to-device copy of the batch's host pieces.
 
 A batch takes the in-place path (:func:`launches_in_place`) when one of its calls reads an input
-in place or writes an output into device memory; it then launches eagerly on the launch thread
-(never from a CUDA graph, whose inputs and outputs are fixed buffers). A lone call launches on
+in place or writes an output into device memory. A lone call whose in-place inputs and outputs
+are all in device memory replays a CUDA graph (:func:`graph_key`): a graph's inputs and outputs
+are fixed addresses, and a client's registered buffer keeps its address from call to call, so
+the graph is keyed by those addresses (and captured on a key's second use, where the client
+shows it reuses the buffer: ``LaunchGraphs.seen_again``). A region mapped at the same address
+later, with the same shapes, replays the same graph correctly: it reads whatever the call's
+leases hold mapped there. Any other in-place batch launches eagerly on the launch thread. A lone call launches on
 its inputs where they are, and writes its outputs straight into their regions where the op
 takes ``out=`` (softmax, causal softmax, SiLU, SwiGLU) and the region is on the device;
 otherwise with one copy (device to region). A batch of several such calls launches as
@@ -66,6 +71,28 @@ def launches_in_place(calls: list, device: torch.device) -> bool:
         if any(reads_in_place(t, device) for t in c.inputs):
             return True
     return False
+
+
+def graph_key(call, handle):
+    """The key of a lone in-place ``call``'s CUDA graph (its op key, then the address, shape and
+    dtype of every input read in place, contiguous, and the address of every output region), or
+    None where it launches eagerly: no graphs on this device, an input in a system region (a
+    graph cannot read pageable memory), or an output in one."""
+    if handle.graphs is None or call.key is None:
+        return None
+    if call.outputs is not None and not all(s.lease.kind == CUDA for s in call.outputs.slots.values()):
+        return None
+    places = []
+    for t in call.inputs:
+        if type(t) is DeviceTensor:
+            if t.tensor.device != handle.device:
+                return None
+            places.append((t.tensor.data_ptr(), t.shape, t.dtype))
+        elif t.in_region:
+            return None
+    if call.outputs is not None:
+        places.extend((name, s.lease.tensor().data_ptr()) for name, s in sorted(call.outputs.slots.items()))
+    return (call.key, "in place", *places)
 
 
 def launches_together(calls: list, handle) -> bool:
