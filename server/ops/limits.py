@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -55,16 +56,25 @@ def answer_bytes(response_type, shapes: dict, outputs=None) -> int:
     """The exact serialized size of a ``response_type`` answer whose every field of ``shapes``
     (name -> (dtype, shape)) is a Tensor with its bytes (or, for an output ``outputs`` puts in a
     region, the region reference): what gRPC compares with --max-message-bytes."""
-    from logitserve.v1 import logitserve_pb2 as pb  # noqa: PLC0415 - keeps this module's import light
-
-    from ..tensors import PB_DTYPES
     total = 0
     for name, (dtype, shape) in shapes.items():
         if outputs is not None and name in outputs:
-            inner = outputs.message(name).ByteSize()
+            number = response_type.DESCRIPTOR.fields_by_name[name].number
+            total += field_bytes(number, outputs.message(name).ByteSize())
         else:
-            data = math.prod(shape) * dtype.itemsize
-            inner = pb.Tensor(dtype=PB_DTYPES[dtype], shape=list(shape)).ByteSize()
-            inner += field_bytes(3, data) if data else 0
-        total += field_bytes(response_type.DESCRIPTOR.fields_by_name[name].number, inner)
+            total += _tensor_field_bytes(response_type, name, dtype, tuple(shape))
     return total
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_field_bytes(response_type, name: str, dtype, shape: tuple) -> int:
+    """Bytes of field ``name`` of ``response_type``, a Tensor of ``dtype`` and ``shape`` with its
+    data. Cached: a server sees few distinct shapes, and building the message costs more than
+    the rest of a small call's validation."""
+    from logitserve.v1 import logitserve_pb2 as pb  # noqa: PLC0415 - keeps this module's import light
+
+    from ..tensors import PB_DTYPES
+    data = math.prod(shape) * dtype.itemsize
+    inner = pb.Tensor(dtype=PB_DTYPES[dtype], shape=list(shape)).ByteSize()
+    inner += field_bytes(3, data) if data else 0
+    return field_bytes(response_type.DESCRIPTOR.fields_by_name[name].number, inner)

@@ -49,9 +49,9 @@ def _as_float32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
-def _check_values(name: str, values: list, ok, rule: str, convert=lambda v: v) -> None:
+def _check_values(name: str, values: list, ok, rule: str, convert=None) -> None:
     for i, v in enumerate(values):
-        if not ok(convert(v)):
+        if not ok(v if convert is None else convert(v)):
             raise ValueError(f"{name}[{i}]: {rule}, got {v}")
 
 
@@ -59,25 +59,27 @@ def _param(msg, param, rows: int, path: str, regions=None) -> Param | None:
     """A sampling parameter from its scalar field or its per-row tensor ``<name>_rows``; unset,
     its default. A float must keep its rule in float32 too, the precision the kernels read it in
     (a temperature of 1e300 is inf there, a top_p of 1e-300 is 0)."""
-    rule = f"must be {param.rule}"
     floats = param.kind is float
-    in_float32 = f"{rule} in float32, the precision the kernels use"
     if msg.HasField(param.rows_field):
         name = path + param.rows_field
         values = rows_values(getattr(msg, param.rows_field), name, rows,
                              dtypes=(torch.float32, torch.float64) if floats else INTS, regions=regions)
-        _check_values(name, values, param.ok, rule)
+        _check_values(name, values, param.ok, f"must be {param.rule}")
         if floats:
-            _check_values(name, values, param.ok, in_float32, _as_float32)
+            _check_values(name, values, param.ok, _in_float32(param), _as_float32)
         return values
     if not msg.HasField(param.name):
         return param.default
     value = getattr(msg, param.name)
     if not param.ok(value):
-        raise ValueError(f"{path}{param.name}: {rule}, got {value}")
+        raise ValueError(f"{path}{param.name}: must be {param.rule}, got {value}")
     if floats and not param.ok(_as_float32(value)):
-        raise ValueError(f"{path}{param.name}: {in_float32}, got {value}")
+        raise ValueError(f"{path}{param.name}: {_in_float32(param)}, got {value}")
     return value
+
+
+def _in_float32(param) -> str:
+    return f"must be {param.rule} in float32, the precision the kernels use"
 
 
 def _draw_seeds(rows: int) -> list[int]:

@@ -36,11 +36,35 @@ def _tensor(msg, name: str, path: str, regions, dtypes, ranks):
     return decode(getattr(msg, name), f"{path}{name}", dtypes=dtypes, ranks=ranks, regions=regions)
 
 
+# Every field the processors read: plain sampling sets none of them and skips their checks.
+_FIELDS = (*(f for p in (*PENALTY_PARAMS.values(), MIN_TOKENS) for f in (p.name, p.rows_field)),
+           *(f for ids, offsets, _ in RAGGED_LISTS.values() for f in (ids, offsets)),
+           "logit_bias_values", "grammar_bitmask")
+
+
 def parse(msg, rows: int, vocab: int, path: str, regions, param) -> tuple[dict | None, int | None, str]:
     """``(kernel keywords of the processors or None, logprobs n or None, logprobs mode)``
     (``msg.return_kept`` is read by the caller).
 
     ``param(msg, p, rows, path, regions)`` reads a scalar-or-per-row parameter (sample.py's)."""
+    kw = _processors(msg, rows, vocab, path, regions, param) if any(map(msg.HasField, _FIELDS)) else {}
+    n = msg.logprobs if msg.HasField("logprobs") else None
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise ValueError(f"{path}logprobs: must be in [0, {MAX_LOGPROBS}], got {n}")
+    mode = msg.logprobs_mode or LOGPROBS_MODES[0]
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"{path}logprobs_mode: must be one of {list(LOGPROBS_MODES)}, got {msg.logprobs_mode!r}")
+    if msg.HasField("random_val") or msg.HasField("random_val_rows"):
+        if mode == "processed" and n is not None:
+            raise ValueError(f"{path}logprobs_mode: 'processed' does not apply with random_val")
+        if msg.return_kept:
+            raise ValueError(f"{path}return_kept: does not apply with random_val")
+    has = any(k.endswith("_offsets") for k in kw) or "grammar_bitmask" in kw
+    return (kw if has else None), n, mode
+
+
+def _processors(msg, rows: int, vocab: int, path: str, regions, param) -> dict:
+    """The processors' kernel keywords, each checked (``ValueError`` naming the field)."""
     kw: dict = {}
     for p in (*PENALTY_PARAMS.values(), MIN_TOKENS):
         value = param(msg, p, rows, path, regions)
@@ -90,19 +114,7 @@ def parse(msg, rows: int, vocab: int, path: str, regions, param) -> tuple[dict |
         kw["grammar_bitmask"] = torch.tensor(_values(grammar), dtype=torch.int32).reshape(rows, words)
     if "min_tokens" in kw and "stop_token_ids" in kw and "output_offsets" not in kw:
         raise ValueError(f"{path}min_tokens: needs output_offsets (the output's length per row)")
-    n = msg.logprobs if msg.HasField("logprobs") else None
-    if n is not None and not 0 <= n <= MAX_LOGPROBS:
-        raise ValueError(f"{path}logprobs: must be in [0, {MAX_LOGPROBS}], got {n}")
-    mode = msg.logprobs_mode or LOGPROBS_MODES[0]
-    if mode not in LOGPROBS_MODES:
-        raise ValueError(f"{path}logprobs_mode: must be one of {list(LOGPROBS_MODES)}, got {msg.logprobs_mode!r}")
-    if msg.HasField("random_val") or msg.HasField("random_val_rows"):
-        if mode == "processed" and n is not None:
-            raise ValueError(f"{path}logprobs_mode: 'processed' does not apply with random_val")
-        if msg.return_kept:
-            raise ValueError(f"{path}return_kept: does not apply with random_val")
-    has = any(k.endswith("_offsets") for k in kw) or "grammar_bitmask" in kw
-    return (kw if has else None), n, mode
+    return kw
 
 
 def launch_processed(call, handle, names) -> tuple:
