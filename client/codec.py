@@ -44,12 +44,25 @@ def is_torch(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+# numpy / torch dtype -> wire dtype (None: it has none), as first seen: a call asks about ten
+# times, and numpy builds a dtype's name anew at each read.
+_SEEN_DTYPES: dict = {}
+_UNSEEN = object()
+
+
 def wire_dtype(x) -> int | None:
     """The wire dtype of a numpy array or torch tensor's elements, or None when it has none."""
-    if is_torch(x):
-        return _BY_NAME.get(str(x.dtype).removeprefix("torch."))
     dt = x.dtype
-    return _BY_NAME.get("bfloat16" if dt.name == "bfloat16" and dt.itemsize == 2 else dt.name)
+    wire = _SEEN_DTYPES.get(dt, _UNSEEN)
+    if wire is not _UNSEEN:
+        return wire
+    if is_torch(x):
+        wire = _BY_NAME.get(str(dt).removeprefix("torch."))
+    else:
+        wire = _BY_NAME.get("bfloat16" if dt.name == "bfloat16" and dt.itemsize == 2 else dt.name)
+    if len(_SEEN_DTYPES) < 64:  # bounded: structured numpy dtypes are endless
+        _SEEN_DTYPES[dt] = wire
+    return wire
 
 
 def tensor_parts(x, name: str = "tensor") -> tuple[int, tuple[int, ...], memoryview]:
