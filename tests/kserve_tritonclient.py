@@ -1,11 +1,13 @@
-"""Run in the tritonclient virtual environment (tests/test_kserve.py makes it), never imported by
-the suite: it needs tritonclient's protobuf (< 7), which the server's stack refuses.
+"""Run by tests/test_kserve.py with an interpreter that imports tritonclient (its virtual
+environment, or a PYTHONPATH of unpacked wheels), never imported by the suite: it needs
+tritonclient's protobuf (< 7), which the server's stack refuses.
 
-    python tests/kserve_tritonclient.py TARGET SCENARIO IN.npz OUT.npz [TOKEN]
+    python tests/kserve_tritonclient.py TARGET SCENARIOS IN.npz OUT.npz [TOKEN]
 
 Reads the inputs the test wrote (IN.npz: arrays named ``<model>.<INPUT>``), drives the server
-with ``tritonclient.grpc`` as an unchanged Triton client would, and writes what it got back
-(OUT.npz: arrays, and ``report`` a JSON string of everything else).
+with ``tritonclient.grpc`` as an unchanged Triton client would, through each scenario named
+(comma-separated; ``cuda_shm`` needs cuda-python and a CUDA server), and writes what it got back
+(OUT.npz: arrays, and ``report`` a JSON string of everything else, the protobuf version among it).
 """
 
 import json
