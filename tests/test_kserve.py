@@ -181,7 +181,6 @@ def test_inputs_and_outputs_in_system_shared_memory(triton_python, server, data,
     assert report["status_after"] == []
 
 
-
 @pytest.fixture(scope="module")
 def cuda_server():
     with ServerProcess("--warmup-dtypes", "none", device="cuda:0", backend="triton", start_timeout=900) as s:
@@ -226,6 +225,7 @@ def test_the_servers_packages_stay_off_the_tritonclient_path(triton_python, serv
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")])))
     report, _ = drive(triton_python, server.target, "health", data[0], tmp_path)
     assert int(report["protobuf"].split(".")[0]) < 7, report["protobuf"]
+
 
 def test_health_metadata_config_statistics(triton_python, server, data, tmp_path):
     path, _ = data
