@@ -2,7 +2,8 @@
 # One call on the lent GPU machine: the whole test suite (the CUDA tests included), then the
 # kernel and service benchmarks. Logs and tables land in $OUT (or ./gpu-results).
 #   run: bash scripts/gpu_check.sh [tests|kernels|service ...]   (carry .whl: health,
-#   reflection, cryptography and FlashInfer wheels; that machine has no network)
+#   reflection, cryptography and FlashInfer wheels, and .whl-tc: tritonclient's, for
+#   tests/test_kserve.py; that machine has no network)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh || exit 1

@@ -1,20 +1,31 @@
-"""Run in the tritonclient virtual environment (tests/test_kserve.py makes it), never imported by
-the suite: it needs tritonclient's protobuf (< 7), which the server's stack refuses.
+"""Run by tests/test_kserve.py with an interpreter that imports tritonclient (its virtual
+environment, or a PYTHONPATH of unpacked wheels), never imported by the suite: it needs
+tritonclient's protobuf (< 7), which the server's stack refuses.
 
-    python tests/kserve_tritonclient.py TARGET SCENARIO IN.npz OUT.npz [TOKEN]
+    python tests/kserve_tritonclient.py TARGET SCENARIOS IN.npz OUT.npz [TOKEN]
 
 Reads the inputs the test wrote (IN.npz: arrays named ``<model>.<INPUT>``), drives the server
-with ``tritonclient.grpc`` as an unchanged Triton client would, and writes what it got back
-(OUT.npz: arrays, and ``report`` a JSON string of everything else).
+with ``tritonclient.grpc`` as an unchanged Triton client would, through each scenario named
+(comma-separated; ``cuda_shm`` needs cuda-python and a CUDA server), and writes what it got back
+(OUT.npz: arrays, and ``report`` a JSON string of everything else, the protobuf version among it).
 """
 
 import json
 import sys
 
-import numpy as np
-import tritonclient.grpc as grpcclient
-import tritonclient.utils.shared_memory as shm
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+import google.protobuf
+
+# tritonclient's generated code needs protobuf < 7. A newer one here means the server's packages
+# reached this interpreter's path (tests/test_kserve.py hands it tritonclient's alone): say so
+# rather than fail somewhere inside tritonclient.
+if int(google.protobuf.__version__.split(".")[0]) >= 7:
+    sys.exit(f"protobuf {google.protobuf.__version__} from {google.protobuf.__file__}: tritonclient needs < 7; "
+             f"the server's packages are on this interpreter's path (PYTHONPATH?)")
+
+import numpy as np  # noqa: E402
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.utils.shared_memory as shm  # noqa: E402
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype, triton_to_np_dtype  # noqa: E402
 
 MODELS = ("sample", "route_experts", "softmax", "causal_softmax", "silu", "swiglu")
 PARAMS = {"sample": {"seed": 1234, "temperature": 0.7, "top_k": 50, "top_p": 0.9}, "route_experts": {"k": 2}}
@@ -102,6 +113,86 @@ def shared_memory(client, data, got, report):
         shm.destroy_shared_memory_region(hout)
 
 
+ALIGN = 256  # where tensors start in a CUDA region: multiples of this, the first one past its base
+UNWRITTEN = 0xA5  # the output region's bytes before the server writes into it
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def cuda_shared_memory(client, data, got, report):
+    """Every model with its inputs and outputs in CUDA memory this process allocated: one region
+    for the inputs, one for the outputs, each tensor at an offset inside its region (the KServe
+    register request has no offset: a region is its allocation from the base). The outputs are
+    read back from the device; the answer carries none of their bytes."""
+    # Imported here: it needs cuda-python, which only the GPU machine has.
+    import tritonclient.utils.cuda_shared_memory as cudashm
+
+    inputs = {m: [(k.partition(".")[2], data[k]) for k in data.files if k.partition(".")[0] == m] for m in MODELS}
+    outputs = {m: [o["name"] for o in client.get_model_metadata(m, as_json=True)["outputs"]] for m in MODELS}
+    place_in, place_out, slots, size_in, size_out = {}, {}, {}, ALIGN, ALIGN
+    for model in MODELS:
+        for name, a in inputs[model]:
+            place_in[model, name] = size_in
+            size_in += _aligned(a.nbytes)
+        # An output's slot is as large as its model's largest input: enough for every output of
+        # these inputs (the byte_size of an output region is a capacity).
+        slots[model] = _aligned(max(a.nbytes for _, a in inputs[model]))
+        for name in outputs[model]:
+            place_out[model, name] = size_out
+            size_out += slots[model]
+    image = np.zeros(size_in, np.uint8)
+    for (model, name), offset in place_in.items():
+        a = dict(inputs[model])[name]
+        image[offset:offset + a.nbytes] = np.frombuffer(a.tobytes(), np.uint8)
+    hin = cudashm.create_shared_memory_region("kserve_cuda_in", size_in, 0)
+    hout = cudashm.create_shared_memory_region("kserve_cuda_out", size_out, 0)
+    try:
+        cudashm.set_shared_memory_region_from_dlpack(hin, [image])  # numpy's DLPack, copied to the device
+        cudashm.set_shared_memory_region(hout, [np.full(size_out, UNWRITTEN, np.uint8)])
+        client.register_cuda_shared_memory("kserve_cuda_in", cudashm.get_raw_handle(hin), 0, size_in)
+        client.register_cuda_shared_memory("kserve_cuda_out", cudashm.get_raw_handle(hout), 0, size_out)
+        report["extensions"] = client.get_server_metadata(as_json=True)["extensions"]
+        report["status"] = sorted(client.get_cuda_shared_memory_status(as_json=True).get("regions", {}))
+        answers = {}
+        for model in MODELS:
+            tensors = []
+            for name, a in inputs[model]:
+                t = grpcclient.InferInput(name, list(a.shape), np_to_triton_dtype(a.dtype))
+                t.set_shared_memory("kserve_cuda_in", a.nbytes, offset=place_in[model, name])
+                tensors.append(t)
+            wanted = []
+            for name in outputs[model]:
+                o = grpcclient.InferRequestedOutput(name)
+                o.set_shared_memory("kserve_cuda_out", slots[model], offset=place_out[model, name])
+                wanted.append(o)
+            response = client.infer(model, tensors, outputs=wanted, parameters=PARAMS.get(model)).get_response()
+            answers[model] = {"outputs": [(o.name, o.datatype, list(o.shape)) for o in response.outputs],
+                              "raw_output_contents": len(response.raw_output_contents)}
+        report["answers"] = answers
+        written = cudashm.get_contents_as_numpy(hout, np.uint8, [size_out])
+        for model, answer in answers.items():
+            for name, datatype, shape in answer["outputs"]:
+                offset, dtype = place_out[model, name], np.dtype(triton_to_np_dtype(datatype))
+                nbytes = int(np.prod(shape)) * dtype.itemsize
+                got[f"cuda_shm.{model}.{name}"] = written[offset:offset + nbytes].view(dtype).reshape(shape)
+        try:  # LOGITS running past the end of its region
+            logits = data["sample.LOGITS"]
+            t = grpcclient.InferInput("LOGITS", list(logits.shape), "FP32")
+            t.set_shared_memory("kserve_cuda_in", logits.nbytes, offset=size_in - ALIGN)
+            client.infer("sample", [t], parameters=PARAMS["sample"])
+            report["past_the_end"] = None
+        except InferenceServerException as exc:
+            report["past_the_end"] = [exc.status(), exc.message()]
+        client.unregister_cuda_shared_memory("kserve_cuda_in")
+        client.unregister_cuda_shared_memory()
+        report["status_after"] = sorted(client.get_cuda_shared_memory_status(as_json=True).get("regions", {}))
+    finally:
+        cudashm.destroy_shared_memory_region(hin)
+        cudashm.destroy_shared_memory_region(hout)
+
+
 def health(client, data, got, report):
     report["live"] = client.is_server_live()
     report["ready"] = client.is_server_ready()
@@ -139,7 +230,8 @@ def errors(client, data, got, report):
     report["errors"] = cases
 
 
-SCENARIOS = {"models": models, "stream": stream, "shm": shared_memory, "health": health, "errors": errors}
+SCENARIOS = {"models": models, "stream": stream, "shm": shared_memory, "cuda_shm": cuda_shared_memory,
+             "health": health, "errors": errors}
 
 
 def auth(client, data, got, report, token=None):
@@ -160,7 +252,7 @@ def main():
     target, scenarios, path_in, path_out = sys.argv[1:5]
     token = sys.argv[5] if len(sys.argv) > 5 else None
     data = np.load(path_in)
-    got, report = {}, {}
+    got, report = {}, {"protobuf": google.protobuf.__version__}
     with grpcclient.InferenceServerClient(target) as client:
         for scenario in scenarios.split(","):
             if scenario == "auth":

@@ -1,11 +1,22 @@
 """The KServe v2 / Triton front driven by ``tritonclient[grpc]`` from PyPI, unchanged, against a
 server process: every model, streams with a bad request in the middle, system shared memory,
-health, metadata, configuration, statistics, bad input, auth; results equal to logitserve.v1's.
+CUDA shared memory (where CUDA is present: a server on cuda:0), health, metadata, configuration,
+statistics, bad input, auth; results equal to logitserve.v1's.
 
-tritonclient pins protobuf < 7, which the server's stack refuses, so it lives in its own virtual
-environment (``.venv-tritonclient`` at the checkout's root, git-ignored, made once and kept:
-a stamp file names what was installed) and runs tests/kserve_tritonclient.py as a subprocess.
-Without it (no network, no index) these tests fail, saying why: they never skip.
+tritonclient pins protobuf < 7, which the server's stack refuses, so it runs
+tests/kserve_tritonclient.py in a process of its own, from one of:
+
+- ``LOGITSERVE_TRITONCLIENT_PYTHONPATH`` set: this interpreter with that PYTHONPATH (and no
+  other), a directory of unpacked wheels of tritonclient, protobuf < 7, python-rapidjson,
+  ml-dtypes and packaging; the rest (numpy, grpcio, and cuda-python for CUDA shared memory) from
+  this interpreter's own site-packages. For machines with no network, such as the GPU host.
+- otherwise a virtual environment (``LOGITSERVE_TRITONCLIENT_VENV``, default
+  ``.venv-tritonclient`` at the checkout's root, git-ignored, made once and kept: a stamp file
+  names what was installed).
+
+Either way the child gets this process's environment without its PYTHONPATH and PYTHONHOME,
+which point at the server's packages (protobuf 7 among them). Without tritonclient (no network,
+no index, no wheels) these tests fail, saying why: they never skip.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -24,6 +36,7 @@ from logitserve.server.process import ServerProcess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VENV = pathlib.Path(os.environ.get("LOGITSERVE_TRITONCLIENT_VENV", ROOT / ".venv-tritonclient"))
+SITE = os.environ.get("LOGITSERVE_TRITONCLIENT_PYTHONPATH")
 REQUIREMENTS = ("tritonclient[grpc]", "numpy")
 STAMP = VENV / ".logitserve-stamp"
 SCRIPT = ROOT / "tests/kserve_tritonclient.py"
@@ -31,8 +44,24 @@ TOKEN = "kserve-test-token"
 SAMPLE = {"seed": 1234, "temperature": 0.7, "top_k": 50, "top_p": 0.9}  # as the script's PARAMS
 
 
-@pytest.fixture(scope="session")
-def triton_python() -> pathlib.Path:
+def child_env(pythonpath: str | None = None) -> dict:
+    """This process's environment, read now, without PYTHONPATH and PYTHONHOME (here they point
+    at the server's packages, protobuf 7 among them); ``pythonpath`` alone in their place."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    return env
+
+
+@dataclass(frozen=True)
+class TritonPython:
+    """An interpreter that imports tritonclient, and the PYTHONPATH it needs (None: none)."""
+
+    python: str
+    pythonpath: str | None = None
+
+
+def _venv_python() -> pathlib.Path:
     """The tritonclient venv's python, made on first use and reused (stamp file)."""
     python = VENV / "bin/python"
     wanted = " ".join(REQUIREMENTS)
@@ -41,13 +70,28 @@ def triton_python() -> pathlib.Path:
     steps = ([sys.executable, "-m", "venv", "--clear", str(VENV)],
              [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *REQUIREMENTS])
     for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(step, capture_output=True, text=True, timeout=600, env=child_env())
         if done.returncode:
             pytest.fail(f"cannot make the tritonclient virtual environment at {VENV} ({' '.join(step)} exited "
-                        f"{done.returncode}); these tests need pip to reach PyPI or a mirror of it:\n"
+                        f"{done.returncode}); these tests need pip to reach PyPI or a mirror of it, or "
+                        f"LOGITSERVE_TRITONCLIENT_PYTHONPATH set to unpacked wheels:\n"
                         f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}", pytrace=False)
     STAMP.write_text(wanted)
     return python
+
+
+@pytest.fixture(scope="session")
+def triton_python() -> TritonPython:
+    """How to run the tritonclient script (the module docstring says which is chosen)."""
+    if SITE is None:
+        return TritonPython(str(_venv_python()))
+    triton = TritonPython(sys.executable, SITE)
+    done = subprocess.run([triton.python, "-c", "import tritonclient.grpc"], capture_output=True, text=True,
+                          timeout=120, env=child_env(triton.pythonpath))
+    if done.returncode:
+        pytest.fail(f"{triton.python} with PYTHONPATH={SITE} (LOGITSERVE_TRITONCLIENT_PYTHONPATH) cannot import "
+                    f"tritonclient.grpc:\n{done.stderr[-2000:]}", pytrace=False)
+    return triton
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +117,11 @@ def data(tmp_path_factory) -> tuple[pathlib.Path, dict]:
     return path, arrays
 
 
-def drive(python, target: str, scenarios: str, data_path, tmp_path, token: str | None = None):
+def drive(triton: TritonPython, target: str, scenarios: str, data_path, tmp_path, token: str | None = None):
     out = tmp_path / "out.npz"
-    done = subprocess.run([str(python), str(SCRIPT), target, scenarios, str(data_path), str(out),
-                           *([token] if token else [])], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([triton.python, str(SCRIPT), target, scenarios, str(data_path), str(out),
+                           *([token] if token else [])], capture_output=True, text=True, timeout=300,
+                          env=child_env(triton.pythonpath))
     assert done.returncode == 0, done.stderr[-4000:]
     got = dict(np.load(out))
     return json.loads(str(got.pop("report"))), got
@@ -134,6 +179,52 @@ def test_inputs_and_outputs_in_system_shared_memory(triton_python, server, data,
     status, message = report["unregistered"]
     assert status == "StatusCode.NOT_FOUND" and "X shared_memory_region" in message, message
     assert report["status_after"] == []
+
+
+@pytest.fixture(scope="module")
+def cuda_server():
+    with ServerProcess("--warmup-dtypes", "none", device="cuda:0", backend="triton", start_timeout=900) as s:
+        yield s
+
+
+def same_bytes(got: np.ndarray, want: np.ndarray, name: str) -> None:
+    """Equal dtype, shape and bytes. Booleans compare by their bytes: numpy reads any nonzero
+    byte as True, so a VALID the server never wrote would pass a comparison of values."""
+    assert got.dtype == want.dtype, name
+    if want.dtype == np.bool_:
+        got, want = got.view(np.uint8), want.view(np.uint8)
+    np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+@pytest.mark.cuda
+def test_inputs_and_outputs_in_cuda_shared_memory_of_another_process(triton_python, cuda_server, data, tmp_path):
+    path, arrays = data
+    report, got = drive(triton_python, cuda_server.target, "cuda_shm", path, tmp_path)
+    want = v1_answers(cuda_server.target, arrays)
+    assert "cuda_shared_memory" in report["extensions"]
+    assert report["status"] == ["kserve_cuda_in", "kserve_cuda_out"]
+    assert sorted(k.removeprefix("cuda_shm.") for k in got) == sorted(want)
+    for name, value in want.items():
+        same_bytes(got[f"cuda_shm.{name}"], np.asarray(value), name)
+    for model, answer in report["answers"].items():
+        assert answer["raw_output_contents"] == 0, model  # every output went into the region
+    assert report["answers"]["sample"]["outputs"] == [["TOKEN_IDS", "INT64", [4]], ["SEEDS", "INT64", [4]],
+                                                      ["VALID", "BOOL", [4]]]
+    status, message = report["past_the_end"]
+    assert status == "StatusCode.INVALID_ARGUMENT", message
+    assert "LOGITS shared_memory_region:" in message and "past the end of region 'kserve_cuda_in'" in message
+    assert report["status_after"] == []
+
+
+def test_the_servers_packages_stay_off_the_tritonclient_path(triton_python, server, data, tmp_path, monkeypatch):
+    """A protobuf 7 on this process's PYTHONPATH (as the server's is on the GPU host) does not
+    reach the tritonclient process."""
+    shadow = tmp_path / "site"
+    (shadow / "google/protobuf").mkdir(parents=True)
+    (shadow / "google/protobuf/__init__.py").write_text("__version__ = '7.99.0'\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")])))
+    report, _ = drive(triton_python, server.target, "health", data[0], tmp_path)
+    assert int(report["protobuf"].split(".")[0]) < 7, report["protobuf"]
 
 
 def test_health_metadata_config_statistics(triton_python, server, data, tmp_path):
