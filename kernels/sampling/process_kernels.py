@@ -103,14 +103,13 @@ def _final(y_row, x_row, x_cs, t, word, bit, w, o_flags, p_flags, rep, freq, pre
            HAS_PROMPT: tl.constexpr, HAS_OUTPUT: tl.constexpr, WITH_BIAS: tl.constexpr):
     """Store the final value of tokens ``t`` on the writing lanes ``w``: penalties, then ``bias``,
     from the original logit; -inf where masked (the bias cannot bring a masked token back)."""
-    cur = tl.load(y_row + t, mask=w, other=float("-inf"))
+    # Masked: y still -inf. (An output token that is not masked holds its count there, phases
+    # 2-3: a small positive int, whose bits never read as -inf.)
+    masked = tl.load(y_row + t, mask=w, other=float("-inf")) == float("-inf")
     v = tl.load(x_row + t * x_cs, mask=w, other=0.0).to(tl.float32)
-    masked = cur == float("-inf")
     if HAS_OUTPUT:
         in_out = _has(o_flags, word, bit, w)
-        # An output token that is not masked holds its count in its y slot (phases 2-3).
-        count = tl.where(in_out, tl.load(y_row.to(tl.pointer_type(tl.int32)) + t, mask=w & in_out, other=0), 0)
-        masked = masked & (in_out == 0)
+        count = tl.load(y_row.to(tl.pointer_type(tl.int32)) + t, mask=w & in_out, other=0)
         seen = in_out
         if HAS_PROMPT:
             seen = seen | _has(p_flags, word, bit, w)
