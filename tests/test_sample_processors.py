@@ -385,10 +385,12 @@ def test_kernels_compile_for_sm90():
     flags = ("HAS_PROMPT", "HAS_OUTPUT", "HAS_BIAS", "HAS_ALLOWED", "HAS_BANNED", "HAS_MIN_TOKENS", "HAS_GRAMMAR")
     for on in (set(flags), {"HAS_ALLOWED", "HAS_GRAMMAR"}, {"HAS_PROMPT"}, {"HAS_BIAS"}):
         build(_lists, ptypes, {**{f: f in on for f in flags}, "TB": 1024, "BT": 64}, num_warps=4)
-    ctypes = dict(part_ptr="*fp32", above_ptr="*i32", cv_ptr="*fp32", ci_ptr="*i32", tok_ptr="*i64",
+    ctypes = dict(part_ptr="*fp32", above_ptr="*i32", gv_ptr="*fp32", gi_ptr="*i32", tok_ptr="*i64",
                   x_ptr="*fp32", x_rs="i32", x_cs="i32", n_cols="i32", n_chunks="i32")
     mtypes = dict(ctypes, lp_ptr="*fp32", rank_ptr="*i64", top_i_ptr="*i64", top_lp_ptr="*fp32")
     for n, f64 in ((5, False), (20, True), (0, False)):
         fp = "*fp64" if f64 else "*fp32"
-        build(_lp_chunks, dict(ctypes, x_ptr=fp, part_ptr=fp, cv_ptr=fp), dict(N=n, CH=4096, IS_F64=f64))
-        build(_lp_merge, dict(mtypes, x_ptr=fp, part_ptr=fp, cv_ptr=fp), dict(N=n, CB=32, NB=256, IS_F64=f64), 4)
+        build(_lp_chunks, dict(ctypes, x_ptr=fp, part_ptr=fp, gv_ptr=fp),
+              dict(WITH_TOP=n > 0, CH=4096, NG=32, IS_F64=f64))
+        build(_lp_merge, dict(mtypes, x_ptr=fp, part_ptr=fp, gv_ptr=fp),
+              dict(N=n, NP=triton.next_power_of_2(max(n, 1)), CB=32, GB=1024, CH=4096, NG=32, IS_F64=f64), 4)

@@ -8,10 +8,18 @@ and rank 0; its top-n are computed all the same (NaN logits read as -inf).
 Two launches after the draw (plain sampling never runs them). ``_lp_chunks`` (grid rows x
 chunks, one read of the row at full bandwidth) reduces each chunk to its max, its softmax
 partial ``sum(exp(x - max_c))`` (online softmax, Milakov and Gimelshein, arXiv:1805.02867), the
-count of logits strictly above the chosen one, and its own top-n (value descending, then lowest
-id). ``_lp_merge`` (a program per row) combines them: ``log Z``, rank = 1 + the counts, and the
-top-n among the chunks' top-n (every token of the row's top-n is in its chunk's). Chunk widths
-depend on V alone (:func:`chunk_width`), so a row's sums do not change with the batch.
+count of logits strictly above the chosen one, and the best token (largest value, then lowest
+id) of each of its groups of ``GROUP`` tokens (``stats.py``'s strided groups: runs of 8 adjacent
+tokens). ``_lp_merge`` (a program per row) combines them: ``log Z``, rank = 1 + the counts, and
+the top-n. Those lie in the n groups whose best tokens come first: a group holding a top-n
+token ``t`` has a best token at or before ``t``, and n groups ranked before it would hold n
+tokens before ``t``. So the merge selects n groups among the row's bests, reads their
+``n * GROUP`` logits again (a few KiB a row) and selects the top-n there, n rounds each.
+Selecting the top-n in each chunk instead costs n full-chunk reductions a chunk: 205 us for
+the issue-26 batch on an H100, against a read of the row's 45.
+
+Chunk widths depend on V alone (:func:`chunk_width`), so a row's sums do not change with the
+batch.
 """
 
 from __future__ import annotations
@@ -24,23 +32,33 @@ import triton.language as tl
 
 from .._backend import launchable, resolve_backend
 from .params import LOGPROBS_MODES, MAX_LOGPROBS
+from .stats import chunk_tile, tile_sum
 from .weights import to_compute
 
 INT32_MAX = tl.constexpr(2147483647)
+GROUP = tl.constexpr(128)  # tokens a group: the merge reads n groups of a row again
 
 
 def chunk_width(n_cols: int) -> int:
     """Columns a ``_lp_chunks`` program reads: about V / 16, a power of two in [256, 4096]. 4096
     (16 KiB of float32, 16 values a thread of 8 warps) at vocabularies of 64K and more: 32 chunks
-    a row of 128256, enough programs to fill an H100 from 8 rows up; the merge's candidates are
-    then 32 n. Smaller vocabularies still get several chunks."""
+    of 32 groups a row of 128256, enough programs to fill an H100 from 8 rows up. Smaller
+    vocabularies still get several chunks."""
     return max(256, min(4096, triton.next_power_of_2(triton.cdiv(n_cols, 16))))
+
+
+@triton.jit
+def _group_cols(best, CH: tl.constexpr, NG: tl.constexpr):
+    """The columns of the group holding token ``best [NP]``, ``[NP, GROUP]`` (chunk_tile's order)."""
+    q = tl.arange(0, GROUP)
+    base = best // CH * CH + (best % CH) // 8 % NG * 8
+    return base[:, None] + ((q // 8) * (8 * NG) + q % 8)[None, :]
 
 
 @launchable
 @triton.jit(do_not_specialize=["n_cols", "n_chunks"])
-def _lp_chunks(part_ptr, above_ptr, cv_ptr, ci_ptr, tok_ptr, x_ptr, x_rs, x_cs, n_cols, n_chunks,
-               N: tl.constexpr, CH: tl.constexpr, IS_F64: tl.constexpr):
+def _lp_chunks(part_ptr, above_ptr, gv_ptr, gi_ptr, tok_ptr, x_ptr, x_rs, x_cs, n_cols, n_chunks,
+               WITH_TOP: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr, IS_F64: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     x_row = x_ptr + row * x_rs
@@ -48,33 +66,38 @@ def _lp_chunks(part_ptr, above_ptr, cv_ptr, ci_ptr, tok_ptr, x_ptr, x_rs, x_cs, 
     tok_ok = (tok >= 0) & (tok < n_cols)
     xc = to_compute(tl.load(x_row + tl.where(tok_ok, tok, 0) * x_cs), IS_F64)
     xc = tl.where(xc != xc, float("-inf"), xc)
-    col = chunk * CH + tl.arange(0, CH)
-    mask = col < n_cols
+    col, mask = chunk_tile(chunk, n_cols, CH, NG)
     x = to_compute(tl.load(x_row + col.to(tl.int64) * x_cs, mask=mask, other=float("-inf")), IS_F64)
     x = tl.where(x != x, float("-inf"), x)  # NaN reads as -inf (the reference's rule)
-    m = tl.max(x, axis=0)
+    group_max = tl.max(tl.max(x, axis=2), axis=0)
+    m = tl.max(group_max, axis=0)
     safe = tl.where(m == float("-inf"), 0.0, m)
     slot = row * n_chunks + chunk
     tl.store(part_ptr + 2 * slot, m)
-    tl.store(part_ptr + 2 * slot + 1, tl.sum(tl.exp(x - safe), axis=0))
-    tl.store(above_ptr + slot, tl.sum((x > xc).to(tl.int32), axis=0))
-    # The chunk's top-n: each the largest (value, then lowest id) not taken yet; INT32_MAX where
-    # the chunk has fewer than n columns.
-    taken = col < 0
-    for j in tl.static_range(N):
-        v = tl.max(tl.where(taken, float("-inf"), x), axis=0)
-        i = tl.min(tl.where((x == v) & (taken == 0) & mask, col, INT32_MAX), axis=0)
-        taken = taken | (col == i)
-        tl.store(cv_ptr + slot * N + j, v)
-        tl.store(ci_ptr + slot * N + j, i)
+    tl.store(part_ptr + 2 * slot + 1, tile_sum(tl.exp(x - safe)))
+    tl.store(above_ptr + slot, tile_sum((x > xc).to(tl.int32)))
+    if WITH_TOP:
+        # Each group's best token: its max, first id (INT32_MAX for a group past the row's end).
+        first = tl.where((x == group_max[None, :, None]) & mask, col, INT32_MAX)
+        g = slot * NG + tl.arange(0, NG)
+        tl.store(gv_ptr + g, group_max)
+        tl.store(gi_ptr + g, tl.min(tl.min(first, axis=2), axis=0))
+
+
+@triton.jit
+def _take_best(v, i, taken):
+    """The largest ``v`` not taken, then the lowest id ``i`` among equals: (value, id)."""
+    best_v = tl.max(tl.where(taken, float("-inf"), v), axis=0)
+    return best_v, tl.min(tl.where((v == best_v) & (taken == 0), i, INT32_MAX), axis=0)
 
 
 @launchable
 @triton.jit(do_not_specialize=["n_cols", "n_chunks"])
 def _lp_merge(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_cs, n_cols, n_chunks, part_ptr,
-              above_ptr, cv_ptr, ci_ptr, N: tl.constexpr, CB: tl.constexpr, NB: tl.constexpr,
-              IS_F64: tl.constexpr):
+              above_ptr, gv_ptr, gi_ptr, N: tl.constexpr, NP: tl.constexpr, CB: tl.constexpr, GB: tl.constexpr,
+              CH: tl.constexpr, NG: tl.constexpr, IS_F64: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_rs
     c = tl.arange(0, CB)
     cm = c < n_chunks
     slot = row * n_chunks + c
@@ -85,21 +108,35 @@ def _lp_merge(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_c
     log_z = safe + tl.log(tl.sum(s_c * tl.exp(m_c - safe), axis=0))
     tok = tl.load(tok_ptr + row).to(tl.int64)
     tok_ok = (tok >= 0) & (tok < n_cols)
-    xc = to_compute(tl.load(x_ptr + row * x_rs + tl.where(tok_ok, tok, 0) * x_cs), IS_F64)
+    xc = to_compute(tl.load(x_row + tl.where(tok_ok, tok, 0) * x_cs), IS_F64)
     xc = tl.where(xc != xc, float("-inf"), xc)
     tl.store(lp_ptr + row, tl.where(tok_ok, xc - log_z, float("nan")).to(tl.float32))
     above = tl.sum(tl.load(above_ptr + slot, mask=cm, other=0), axis=0)
     tl.store(rank_ptr + row, tl.where(tok_ok, above + 1, 0).to(tl.int64))
     if N > 0:
-        k = tl.arange(0, NB)
-        km = k < n_chunks * N
-        cv = tl.load(cv_ptr + row * n_chunks * N + k, mask=km, other=float("-inf"))
-        ci = tl.load(ci_ptr + row * n_chunks * N + k, mask=km, other=INT32_MAX)
+        # The n groups whose best tokens come first (ids are unique: INT32_MAX only past the row).
+        k = tl.arange(0, GB)
+        km = k < n_chunks * NG
+        gv = tl.load(gv_ptr + row * n_chunks * NG + k, mask=km, other=float("-inf"))
+        gi = tl.load(gi_ptr + row * n_chunks * NG + k, mask=km, other=INT32_MAX)
         taken = k < 0
+        lanes = tl.arange(0, NP)
+        chosen = tl.full([NP], INT32_MAX, tl.int32)
         for j in tl.static_range(N):
-            v = tl.max(tl.where(taken, float("-inf"), cv), axis=0)
-            i = tl.min(tl.where((cv == v) & (taken == 0), ci, INT32_MAX), axis=0)
-            taken = taken | (ci == i)
+            v, i = _take_best(gv, gi, taken)
+            taken = taken | (gi == i)
+            chosen = tl.where(lanes == j, i, chosen)
+        # Their logits, and the top-n among them.
+        cols = _group_cols(tl.where(chosen < INT32_MAX, chosen, 0), CH, NG)
+        ok = (chosen < INT32_MAX)[:, None] & (cols < n_cols)
+        x = to_compute(tl.load(x_row + cols.to(tl.int64) * x_cs, mask=ok, other=float("-inf")), IS_F64)
+        x = tl.where(x != x, float("-inf"), x)
+        ids = tl.where(ok, cols, INT32_MAX)
+        taken = ids < 0
+        for j in tl.static_range(N):
+            v = tl.max(tl.max(tl.where(taken, float("-inf"), x), axis=1), axis=0)
+            i = tl.min(tl.min(tl.where((x == v) & (taken == 0), ids, INT32_MAX), axis=1), axis=0)
+            taken = taken | (ids == i)
             tl.store(top_i_ptr + row * N + j, tl.where(i < n_cols, i, -1).to(tl.int64))
             tl.store(top_lp_ptr + row * N + j, (v - log_z).to(tl.float32))
 
@@ -177,16 +214,18 @@ def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int = 0, *, mode:
     is_f64 = logits.dtype == torch.float64
     ct = torch.float64 if is_f64 else torch.float32
     ch = chunk_width(n_cols)
+    ng = ch // GROUP.value
     n_chunks = triton.cdiv(n_cols, ch)
     part = torch.empty((n_rows, n_chunks, 2), dtype=ct, device=dev)
     above = torch.empty((n_rows, n_chunks), dtype=torch.int32, device=dev)
-    cv = torch.empty((n_rows, n_chunks, max(n, 1)), dtype=ct, device=dev)
-    ci = torch.empty((n_rows, n_chunks, max(n, 1)), dtype=torch.int32, device=dev)
+    groups = (n_rows, n_chunks * ng) if n else (1,)
+    gv = torch.empty(groups, dtype=ct, device=dev)
+    gi = torch.empty(groups, dtype=torch.int32, device=dev)
     args = (token_ids, logits, *logits.stride(), n_cols, n_chunks)
-    _lp_chunks.for_backend(backend)[(n_rows, n_chunks)](part, above, cv, ci, *args, N=n, CH=ch, IS_F64=is_f64,
-                                                       num_warps=8)
+    _lp_chunks.for_backend(backend)[(n_rows, n_chunks)](part, above, gv, gi, *args, WITH_TOP=n > 0, CH=ch, NG=ng,
+                                                       IS_F64=is_f64, num_warps=8)
     _lp_merge.for_backend(backend)[(n_rows,)](
-        out.token_logprob, out.token_rank, out.top_token_ids, out.top_logprobs, *args, part, above, cv, ci, N=n,
-        CB=triton.next_power_of_2(n_chunks), NB=triton.next_power_of_2(max(n_chunks * n, 1)), IS_F64=is_f64,
-        num_warps=4)
+        out.token_logprob, out.token_rank, out.top_token_ids, out.top_logprobs, *args, part, above, gv, gi, N=n,
+        NP=triton.next_power_of_2(max(n, 1)), CB=triton.next_power_of_2(n_chunks),
+        GB=triton.next_power_of_2(n_chunks * ng), CH=ch, NG=ng, IS_F64=is_f64, num_warps=4)
     return out

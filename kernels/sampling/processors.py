@@ -199,7 +199,7 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
     bias, g = procs.logit_bias, procs.grammar_bitmask
     words = (n_cols + 31) // 32
     with_flags = prompt_on or output_on or bias is not None
-    flags = torch.empty((n_rows, N_FLAGS, words) if with_flags else (1,), dtype=torch.int32, device=dev)
+    flags = torch.empty((n_rows, N_FLAGS.value, words) if with_flags else (1,), dtype=torch.int32, device=dev)
 
     def ragged(lst, on=True):
         return (lst[0], lst[1], lst[0].shape[0]) if lst is not None and on else (dummy, dummy, 0)
