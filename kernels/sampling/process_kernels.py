@@ -1,31 +1,26 @@
 """The two launches of the logits processors (``processors.py`` states the semantics and calls them).
 
-``_lists`` (a program per row) runs first and touches only the tokens of the row's lists,
-O(length of the lists): it writes their final values into ``y`` and marks them done. Then
-``_dense`` (grid rows x column blocks), the part whose cost is the vocabulary, writes every
-other token: ``x`` (float32) where the grammar (and the allowed list, by its flag) allows it,
-else -inf. A ``_dense`` block is a ``[WORDS, 32]`` tile, one flag or grammar word a line. In this
-order the list kernel's scattered reads and writes (a 32-byte sector each) stay in L2, a few
-MiB a batch; run after the dense pass, whose 8 bytes a logit stream L2 out, they went to DRAM:
-79 us for the issue-26 batch on an H100.
+``_dense`` (grid rows x column blocks) is the part whose cost is the vocabulary: ``y = x``
+(float32), grammar-masked, or -inf everywhere where an allowed list is given; it also zeroes the
+row's flag words (below) for its block. A block is a ``[WORDS, 32]`` tile, one grammar word a
+line, so the mask is one load of ``WORDS`` words. It moves ``4V`` bytes read (float32 logits)
+and ``4V`` written a row, at copy bandwidth.
 
-``_lists`` runs in phases separated by barriers (``__syncthreads``, which also orders the
-block's global memory accesses). A token is *masked* when the grammar or the allowed list
-excludes it:
+``_lists`` (a program per row) touches only the tokens of the row's lists, O(length of the
+lists), in phases separated by barriers (``__syncthreads``, which also orders the block's
+global memory accesses):
 
-1. each allowed token sets its ``A`` bit (``atomic_or``);
-2. each prompt token sets its ``P`` bit; each output token that is not masked and whose logit is
-   not -inf sets its ``O`` bit, and the one lane that finds the bit clear (the old word says so)
-   turns the token's ``y`` slot into an int32 count, 0;
+1. the allowed tokens get their logits back (grammar permitting);
+2. flags: each prompt token sets its ``P`` bit; each output token that is not masked
+   (``y != -inf``) sets its ``O`` bit with ``atomic_or``, and the one lane that finds the bit
+   clear (the old word says so) turns the token's ``y`` slot into an int32 count, 0;
 3. every output token whose ``O`` bit is set adds 1 to that count (``atomic_add``);
 4. each token of the bias, output and prompt lists is written once, by the lane that sets its
    ``T`` bit first: its final value from the original logit ``x``, the count and the flags, with
    the bias summed over the bias list in list order (the bias lanes claim first, behind a
-   barrier of their own, so that only they sum biases); -inf where masked, whatever its bias;
-5. banned tokens, and stop tokens while the output is shorter than ``min_tokens``: -inf, and
-   their ``T`` bits set.
-
-``_dense`` leaves the tokens whose ``T`` bit is set as they are.
+   barrier of their own, so that only they sum biases). A token masked by ``_dense`` or phase 1
+   (its ``y`` -inf, no ``O`` bit) stays -inf whatever its bias;
+5. banned tokens, and stop tokens while the output is shorter than ``min_tokens``: -inf.
 
 The atomics are relaxed (``acq_rel``, Triton's default, fences each one: measured 101 us for
 the issue-26 batch on an H100): the barriers order the phases, and reads of what atomics wrote
@@ -34,8 +29,8 @@ order (no float atomics), so the result does not depend on which lane won a race
 batch. Ids outside ``[0, V)`` are skipped; a row's span of a list is clamped into
 ``[0, len(ids)]``, so no offsets make a read go out of bounds.
 
-The flags are bits of a zero-filled int32 workspace ``[B, 4, ceil(V / 32)]`` (``O``, ``P``,
-``T``, ``A``): 16 bytes per 32 tokens, 6% of the dense pass's bytes.
+The flags are bits of an int32 workspace ``[B, 3, ceil(V / 32)]`` (``O``, ``P``, ``T``): 12 bytes
+per 32 tokens, 1.5% of the dense pass's bytes.
 """
 
 from __future__ import annotations
@@ -45,9 +40,9 @@ import triton.language as tl
 
 from .._backend import launchable
 
-# Flag arrays of the workspace, in this order a row: O (output token, counted), P (prompt token),
-# T (final value written by _lists), A (allowed token).
-N_FLAGS = tl.constexpr(4)
+# Flag arrays of the workspace, in this order a row: O (output token, not masked), P (prompt
+# token), T (final value written).
+N_FLAGS = tl.constexpr(3)
 
 
 @launchable
@@ -58,21 +53,18 @@ def _dense(y_ptr, x_ptr, x_rs, x_cs, n_cols, g_ptr, g_words, flags_ptr,
     word = tl.program_id(1) * WORDS + tl.arange(0, WORDS).to(tl.int64)
     wmask = word < g_words
     col = word[:, None] * 32 + tl.arange(0, 32)[None, :]
-    lane = tl.arange(0, 32)[None, :]
     mask = col < n_cols
-    keep = mask
-    if HAS_GRAMMAR:
-        g = tl.load(g_ptr + row * g_words + word, mask=wmask, other=0)
-        keep = keep & (((g[:, None] >> lane) & 1) != 0)
-    write = mask
+    if HAS_ALLOWED:
+        x = tl.full([WORDS, 32], float("-inf"), tl.float32)
+    else:
+        x = tl.load(x_ptr + row * x_rs + col * x_cs, mask=mask, other=float("-inf")).to(tl.float32)
+        if HAS_GRAMMAR:
+            g = tl.load(g_ptr + row * g_words + word, mask=wmask, other=0)
+            x = tl.where(((g[:, None] >> tl.arange(0, 32)[None, :]) & 1) != 0, x, float("-inf"))
+    tl.store(y_ptr + row * n_cols + col, x, mask=mask)
     if HAS_FLAGS:
-        flags = flags_ptr + row * N_FLAGS * g_words + word
-        write = write & (((tl.load(flags + 2 * g_words, mask=wmask, other=0)[:, None] >> lane) & 1) == 0)
-        if HAS_ALLOWED:
-            keep = keep & (((tl.load(flags + 3 * g_words, mask=wmask, other=0)[:, None] >> lane) & 1) != 0)
-    # Only the kept logits are read: under an allowed list, a few sectors of the row.
-    x = tl.load(x_ptr + row * x_rs + col * x_cs, mask=keep & write, other=float("-inf")).to(tl.float32)
-    tl.store(y_ptr + row * n_cols + col, x, mask=write)
+        for f in tl.static_range(N_FLAGS):
+            tl.store(flags_ptr + (row * N_FLAGS + f) * g_words + word, tl.zeros([WORDS], tl.int32), mask=wmask)
 
 
 @triton.jit
@@ -110,25 +102,16 @@ def _claim(bits_ptr, word, bit, ok):
 
 
 @triton.jit
-def _allowed(g_row, a_flags, word, bit, ok, HAS_GRAMMAR: tl.constexpr, HAS_ALLOWED: tl.constexpr):
-    """Not masked: allowed by the grammar (when given) and by the allowed list (when given)."""
-    keep = ok
-    if HAS_GRAMMAR:
-        keep = keep & _has(g_row, word, bit, ok)
-    if HAS_ALLOWED:
-        keep = keep & _has(a_flags, word, bit, ok)
-    return keep
-
-
-@triton.jit
-def _final(y_row, x_row, x_cs, t, word, bit, w, o_flags, p_flags, keep, rep, freq, pres, bias,
+def _final(y_row, x_row, x_cs, t, word, bit, w, o_flags, p_flags, rep, freq, pres, bias,
            HAS_PROMPT: tl.constexpr, HAS_OUTPUT: tl.constexpr, WITH_BIAS: tl.constexpr):
     """Store the final value of tokens ``t`` on the writing lanes ``w``: penalties, then ``bias``,
-    from the original logit; -inf where not ``keep`` (masked), whatever the bias."""
+    from the original logit; -inf where masked (the bias cannot bring a masked token back)."""
+    # Masked: y still -inf. (An output token that is not masked holds its count there, phases
+    # 2-3: a small positive int, whose bits never read as -inf.)
+    masked = tl.load(y_row + t, mask=w, other=float("-inf"), cache_modifier=".cg") == float("-inf")
     v = tl.load(x_row + t * x_cs, mask=w, other=0.0).to(tl.float32)
     if HAS_OUTPUT:
         in_out = _has(o_flags, word, bit, w)
-        # A counted output token holds its count in its y slot (phases 2-3).
         count = tl.load(y_row.to(tl.pointer_type(tl.int32)) + t, mask=w & in_out, other=0, cache_modifier=".cg")
         seen = in_out
         if HAS_PROMPT:
@@ -139,30 +122,18 @@ def _final(y_row, x_row, x_cs, t, word, bit, w, o_flags, p_flags, keep, rep, fre
         v = tl.where(_has(p_flags, word, bit, w), tl.where(v > 0, v / rep, v * rep), v)
     if WITH_BIAS:
         v = v + bias
-    tl.store(y_row + t, tl.where(keep, v, float("-inf")), mask=w)
+    tl.store(y_row + t, tl.where(masked, float("-inf"), v), mask=w)
 
 
 @triton.jit
-def _write_list(y_row, x_row, x_cs, n_cols, ids, lo, hi, o_flags, p_flags, t_flags, a_flags, g_row, rep, freq, pres,
-                HAS_PROMPT: tl.constexpr, HAS_OUTPUT: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
-                HAS_ALLOWED: tl.constexpr, TB: tl.constexpr):
+def _write_list(y_row, x_row, x_cs, n_cols, ids, lo, hi, o_flags, p_flags, t_flags, rep, freq, pres,
+                HAS_PROMPT: tl.constexpr, HAS_OUTPUT: tl.constexpr, TB: tl.constexpr):
     """Phase 4 for a list without biases (its bias tokens were written already)."""
     for s in range(lo, hi, TB):
         t, word, bit, ok = _tile(ids, s, hi, n_cols, TB)
         w = _claim(t_flags, word, bit, ok)
-        keep = _allowed(g_row, a_flags, word, bit, w, HAS_GRAMMAR, HAS_ALLOWED)
-        _final(y_row, x_row, x_cs, t, word, bit, w, o_flags, p_flags, keep, rep, freq, pres, 0.0, HAS_PROMPT,
-               HAS_OUTPUT, False)
-
-
-@triton.jit
-def _mask_list(y_row, t_flags, n_cols, ids, lo, hi, length, min_length, TB: tl.constexpr):
-    """Phase 5: -inf for the list's tokens if ``length < min_length``, marked done for ``_dense``."""
-    for s in range(lo, hi, TB):
-        t, word, bit, ok = _tile(ids, s, hi, n_cols, TB)
-        ok = ok & (t * 0 + length < min_length)
-        tl.store(y_row + t, tl.full([TB], float("-inf"), tl.float32), mask=ok)
-        tl.atomic_or(t_flags + word, bit, mask=ok, sem="relaxed")
+        _final(y_row, x_row, x_cs, t, word, bit, w, o_flags, p_flags, rep, freq, pres, 0.0, HAS_PROMPT, HAS_OUTPUT,
+               False)
 
 
 @launchable
@@ -176,17 +147,18 @@ def _lists(y_ptr, x_ptr, x_rs, x_cs, n_cols, flags_ptr, g_ptr, g_words, rep_ptr,
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_rs
     y_row = y_ptr + row * n_cols
-    g_row = g_ptr + row * g_words
     o_flags = flags_ptr + row * N_FLAGS * g_words
     p_flags = o_flags + g_words
     t_flags = p_flags + g_words
-    a_flags = t_flags + g_words
-    # (1) The allowed list's flags.
+    # (1) The allowed tokens back, where the grammar allows them too.
     if HAS_ALLOWED:
         a_lo, a_hi = _span(a_off, row, a_n)
         for s in range(a_lo, a_hi, TB):
             t, word, bit, ok = _tile(a_ids, s, a_hi, n_cols, TB)
-            tl.atomic_or(a_flags + word, bit, mask=ok, sem="relaxed")
+            x = tl.load(x_row + t * x_cs, mask=ok, other=float("-inf")).to(tl.float32)
+            if HAS_GRAMMAR:
+                x = tl.where(_has(g_ptr + row * g_words, word, bit, ok), x, float("-inf"))
+            tl.store(y_row + t, x, mask=ok)
         tl.debug_barrier()
     if HAS_PROMPT or HAS_OUTPUT or HAS_BIAS:
         rep = tl.load(rep_ptr + row)
@@ -203,9 +175,8 @@ def _lists(y_ptr, x_ptr, x_rs, x_cs, n_cols, flags_ptr, g_ptr, g_words, rep_ptr,
             o_lo, o_hi = _span(o_off, row, o_n)
             for s in range(o_lo, o_hi, TB):
                 t, word, bit, ok = _tile(o_ids, s, o_hi, n_cols, TB)
-                # A masked or -inf token's value is -inf whatever its count: it is not counted.
-                live = _allowed(g_row, a_flags, word, bit, ok, HAS_GRAMMAR, HAS_ALLOWED)
-                live = live & (tl.load(x_row + t * x_cs, mask=live, other=float("-inf")) != float("-inf"))
+                # A lane that reads the first lane's 0 (not -inf) agrees that the token is live.
+                live = ok & (tl.load(y_row + t, mask=ok, other=float("-inf")) != float("-inf"))
                 tl.store(y_int + t, tl.zeros([TB], tl.int32), mask=_claim(o_flags, word, bit, live))
             tl.debug_barrier()
             # (3) The counts.
@@ -227,24 +198,29 @@ def _lists(y_ptr, x_ptr, x_rs, x_cs, n_cols, flags_ptr, g_ptr, g_words, rep_ptr,
                     b = tl.load(b_ids + j, mask=jm, other=-1).to(tl.int64)
                     bv = tl.load(b_vals + j, mask=jm, other=0.0).to(tl.float32)
                     bias += tl.sum(tl.where((t[:, None] == b[None, :]) & jm[None, :], bv[None, :], 0.0), axis=1)
-                keep = _allowed(g_row, a_flags, word, bit, w, HAS_GRAMMAR, HAS_ALLOWED)
-                _final(y_row, x_row, x_cs, t, word, bit, w, o_flags, p_flags, keep, rep, freq, pres, bias,
-                       HAS_PROMPT, HAS_OUTPUT, True)
+                _final(y_row, x_row, x_cs, t, word, bit, w, o_flags, p_flags, rep, freq, pres, bias, HAS_PROMPT,
+                       HAS_OUTPUT, True)
             tl.debug_barrier()
         if HAS_OUTPUT:
             o_lo, o_hi = _span(o_off, row, o_n)
-            _write_list(y_row, x_row, x_cs, n_cols, o_ids, o_lo, o_hi, o_flags, p_flags, t_flags, a_flags, g_row,
-                        rep, freq, pres, HAS_PROMPT, HAS_OUTPUT, HAS_GRAMMAR, HAS_ALLOWED, TB)
+            _write_list(y_row, x_row, x_cs, n_cols, o_ids, o_lo, o_hi, o_flags, p_flags, t_flags, rep, freq, pres,
+                        HAS_PROMPT, HAS_OUTPUT, TB)
         if HAS_PROMPT:
             p_lo, p_hi = _span(p_off, row, p_n)
-            _write_list(y_row, x_row, x_cs, n_cols, p_ids, p_lo, p_hi, o_flags, p_flags, t_flags, a_flags, g_row,
-                        rep, freq, pres, HAS_PROMPT, HAS_OUTPUT, HAS_GRAMMAR, HAS_ALLOWED, TB)
+            _write_list(y_row, x_row, x_cs, n_cols, p_ids, p_lo, p_hi, o_flags, p_flags, t_flags, rep, freq, pres,
+                        HAS_PROMPT, HAS_OUTPUT, TB)
         tl.debug_barrier()
     # (5) Banned tokens, and stop tokens while the output is shorter than min_tokens.
     if HAS_BANNED:
         n_lo, n_hi = _span(n_off, row, n_n)
-        _mask_list(y_row, t_flags, n_cols, n_ids, n_lo, n_hi, 0, 1, TB)
+        for s in range(n_lo, n_hi, TB):
+            t, word, bit, ok = _tile(n_ids, s, n_hi, n_cols, TB)
+            tl.store(y_row + t, tl.full([TB], float("-inf"), tl.float32), mask=ok)
     if HAS_MIN_TOKENS:
         out_lo, out_hi = _span(o_off, row, o_n)
+        out_len = out_hi - out_lo
+        min_len = tl.load(mt_ptr + row).to(tl.int64)
         s_lo, s_hi = _span(s_off, row, s_n)
-        _mask_list(y_row, t_flags, n_cols, s_ids, s_lo, s_hi, out_hi - out_lo, tl.load(mt_ptr + row).to(tl.int64), TB)
+        for s in range(s_lo, s_hi, TB):
+            t, word, bit, ok = _tile(s_ids, s, s_hi, n_cols, TB)
+            tl.store(y_row + t, tl.full([TB], float("-inf"), tl.float32), mask=ok & (t * 0 + out_len < min_len))

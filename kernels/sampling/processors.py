@@ -12,11 +12,10 @@ For a token ``t`` of row ``r`` (``x`` its logit, ``count`` its occurrences in th
     x = -inf  where t is banned, or a stop token while len(output) < min_tokens
 
 Two launches (``process_kernels.py``) write the processed row (float32) into a new tensor which
-the sampling launches then read: ``_lists``, a program per row whose cost is the lists' lengths,
-not the vocabulary (flags set with atomics find each token's first occurrence and count the
-output; each listed token is written once, from its original logit, and marked done), then
-``_dense`` over rows x column blocks for every other token (the logit where the grammar and the
-allowed list allow it, else -inf). A call with a grammar bitmask alone launches ``_dense`` only.
+the sampling launches then read: ``_dense`` over rows x column blocks (the row, grammar-masked,
+or -inf everywhere under an allowed list) and ``_lists``, a program per row, whose cost is the
+lists' lengths, not the vocabulary (flags set with atomics find each token's first occurrence
+and count the output; each listed token is written once, from its original logit).
 
 Ragged lists: row ``r`` of a list is ``ids[offsets[r]:offsets[r + 1]]``. On the CPU the offsets
 (from 0, not decreasing, ending at ``len(ids)``) and the ids (in ``[0, V)``) are checked on the
@@ -194,35 +193,34 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
     if n_rows == 0:
         return y
     dummy = torch.zeros(2, dtype=torch.int32, device=dev)
+    rep, freq, pres = (_rows(getattr(procs, p.name), n_rows, torch.float32, dev) for p in PENALTY_PARAMS.values())
     prompt_on = procs.penalties_on and procs.prompt is not None
     output_on = procs.penalties_on and procs.output is not None
     bias, g = procs.logit_bias, procs.grammar_bitmask
     words = (n_cols + 31) // 32
-    has_lists = prompt_on or output_on or bias is not None or procs.allowed is not None or \
-        procs.banned is not None or procs.min_tokens_on
+    with_flags = prompt_on or output_on or bias is not None
+    flags = torch.empty((n_rows, N_FLAGS.value, words) if with_flags else (1,), dtype=torch.int32, device=dev)
+
+    def ragged(lst, on=True):
+        return (lst[0], lst[1], lst[0].shape[0]) if lst is not None and on else (dummy, dummy, 0)
+
+    # The output's offsets also serve min_tokens (the output's length), penalties or not.
+    o_ids, o_off, o_n = ragged(procs.output)
+    if not output_on:
+        o_ids = dummy
+    mt = _rows(procs.min_tokens, n_rows, torch.int64, dev) if procs.min_tokens_on else dummy
     g_arg = g if g is not None else dummy
-    flags = dummy
-    if has_lists:
-        flags = torch.zeros((n_rows, N_FLAGS.value, words), dtype=torch.int32, device=dev)
-
-        def ragged(lst, on=True):
-            return (lst[0], lst[1], lst[0].shape[0]) if lst is not None and on else (dummy, dummy, 0)
-
-        # The output's offsets also serve min_tokens (the output's length), penalties or not.
-        o_ids, o_off, o_n = ragged(procs.output)
-        mt = _rows(procs.min_tokens, n_rows, torch.int64, dev) if procs.min_tokens_on else dummy
-        rep, freq, pres = (_rows(getattr(procs, p.name), n_rows, torch.float32, dev) for p in PENALTY_PARAMS.values())
-        _lists.for_backend(backend)[(n_rows,)](
-            y, logits, *logits.stride(), n_cols, flags, g_arg, words, rep, freq, pres,
-            *ragged(procs.prompt, prompt_on), o_ids if output_on else dummy, o_off, o_n,
-            *((bias[0], bias[2], bias[1], bias[0].shape[0]) if bias is not None else (dummy, dummy, dummy, 0)),
-            *ragged(procs.allowed), *ragged(procs.banned), *ragged(procs.stop, procs.min_tokens_on), mt,
-            HAS_PROMPT=prompt_on, HAS_OUTPUT=output_on, HAS_BIAS=bias is not None,
-            HAS_ALLOWED=procs.allowed is not None, HAS_BANNED=procs.banned is not None,
-            HAS_MIN_TOKENS=procs.min_tokens_on, HAS_GRAMMAR=g is not None, TB=LIST_TILE, BT=BIAS_TILE, num_warps=4)
     _dense.for_backend(backend)[(n_rows, triton.cdiv(words, DENSE_WORDS))](
         y, logits, *logits.stride(), n_cols, g_arg, words, flags, HAS_ALLOWED=procs.allowed is not None,
-        HAS_GRAMMAR=g is not None, HAS_FLAGS=has_lists, WORDS=DENSE_WORDS, num_warps=8)
+        HAS_GRAMMAR=g is not None, HAS_FLAGS=with_flags, WORDS=DENSE_WORDS, num_warps=8)
+    _lists.for_backend(backend)[(n_rows,)](
+        y, logits, *logits.stride(), n_cols, flags, g_arg, words, rep, freq, pres, *ragged(procs.prompt, prompt_on),
+        o_ids, o_off, o_n, *((bias[0], bias[2], bias[1], bias[0].shape[0]) if bias is not None else
+                             (dummy, dummy, dummy, 0)),
+        *ragged(procs.allowed), *ragged(procs.banned), *ragged(procs.stop, procs.min_tokens_on), mt,
+        HAS_PROMPT=prompt_on, HAS_OUTPUT=output_on, HAS_BIAS=bias is not None,
+        HAS_ALLOWED=procs.allowed is not None, HAS_BANNED=procs.banned is not None,
+        HAS_MIN_TOKENS=procs.min_tokens_on, HAS_GRAMMAR=g is not None, TB=LIST_TILE, BT=BIAS_TILE, num_warps=4)
     return y
 
 
