@@ -39,6 +39,7 @@ from .process_kernels import N_FLAGS, _dense, _lists
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 LIST_TILE = 1024  # list tokens a step of _lists: lists of a few thousand take a few steps a phase
+LIST_WARPS = 4  # 8 list tokens a thread of _lists a step
 BIAS_TILE = 64  # bias tokens a step, each summed against the bias list BIAS_TILE at a time
 DENSE_WORDS = 128  # grammar words (32 columns each) a _dense program: 4096 columns
 
@@ -220,7 +221,8 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
         *ragged(procs.allowed), *ragged(procs.banned), *ragged(procs.stop, procs.min_tokens_on), mt,
         HAS_PROMPT=prompt_on, HAS_OUTPUT=output_on, HAS_BIAS=bias is not None,
         HAS_ALLOWED=procs.allowed is not None, HAS_BANNED=procs.banned is not None,
-        HAS_MIN_TOKENS=procs.min_tokens_on, HAS_GRAMMAR=g is not None, TB=LIST_TILE, BT=BIAS_TILE, num_warps=4)
+        HAS_MIN_TOKENS=procs.min_tokens_on, HAS_GRAMMAR=g is not None, TB=LIST_TILE, BT=BIAS_TILE,
+        num_warps=LIST_WARPS)
     return y
 
 
