@@ -214,6 +214,8 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
     _dense.for_backend(backend)[(n_rows, triton.cdiv(words, DENSE_WORDS))](
         y, logits, *logits.stride(), n_cols, g_arg, words, flags, HAS_ALLOWED=procs.allowed is not None,
         HAS_GRAMMAR=g is not None, HAS_FLAGS=with_flags, WORDS=DENSE_WORDS, num_warps=8)
+    if not (with_flags or procs.allowed is not None or procs.banned is not None or procs.min_tokens_on):
+        return y  # a grammar bitmask alone: the dense pass did everything
     _lists.for_backend(backend)[(n_rows,)](
         y, logits, *logits.stride(), n_cols, flags, g_arg, words, rep, freq, pres, *ragged(procs.prompt, prompt_on),
         o_ids, o_off, o_n, *((bias[0], bias[2], bias[1], bias[0].shape[0]) if bias is not None else
