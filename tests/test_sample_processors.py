@@ -277,10 +277,41 @@ def test_cuda_matches_reference_full_size():
     assert torch.equal(lp.top_token_ids.cpu(), ref[2])
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_graph_captures_the_call_with_every_feature():
+    """Every processor and raw logprobs on CUDA tensors: no host synchronisation (torch's sync
+    debug mode raises on one), so the whole call captures in a CUDA graph, whose replay equals
+    the eager call."""
+    gen = torch.Generator().manual_seed(3)
+    n, v = 16, 3000
+    x = (torch.randn(n, v, generator=gen) * 3).cuda()
+    kw = {k: t.cuda() if isinstance(t, torch.Tensor) else t for k, t in features(n, v, gen, allowed=True).items()}
+    seeds = torch.arange(n, device="cuda")
+
+    def call():
+        return sample(x, temperature=0.8, top_k=40, top_p=0.9, seed=seeds, step=3, logprobs=5, **kw)
+
+    eager = call()  # compiles the kernels: capture must not
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0])
+    for name in ("token_logprob", "token_rank", "top_token_ids", "top_logprobs"):
+        assert torch.equal(getattr(captured[1], name), getattr(eager[1], name)), name
+
+
 @pytest.mark.parametrize("case", ["flat", "few_finite", "peaked"])
-def test_logprobs_candidate_list_and_its_fallback(case, gen):
-    """Top-n from the gathered candidates, and from the row where more than CANDIDATES tokens tie
-    at the bound (flat) or fewer than n lanes are finite."""
+def test_logprobs_top_n_across_chunks(case, gen):
+    """Top-n from the chunks' top-n: many ties (flat), fewer than n finite logits, near-ties."""
     v = 1500
     if case == "flat":
         x = torch.zeros(2, v)
@@ -334,22 +365,32 @@ def test_kernels_compile_for_sm90():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from logitserve.kernels.sampling.logprobs import _logprobs
-    from logitserve.kernels.sampling.processors import _process
+    from logitserve.kernels.sampling.logprobs import _lp_chunks, _lp_merge
+    from logitserve.kernels.sampling.process_kernels import _dense, _lists
 
-    def build(kernel, types, constexprs):
+    def build(kernel, types, constexprs, num_warps=8):
         fn = kernel._jit_fn
         sig = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
-        triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps})
 
-    ptypes = dict(y_ptr="*fp32", x_ptr="*bf16", x_rs="i32", x_cs="i32", n_cols="i32", rep_ptr="*fp32",
-                  freq_ptr="*fp32", pres_ptr="*fp32", p_ids="*i64", p_off="*i64", o_ids="*i64", o_off="*i64",
-                  b_ids="*i64", b_vals="*fp32", b_off="*i64", a_ids="*i32", a_off="*i32", n_ids="*i32",
-                  n_off="*i32", s_ids="*i64", s_off="*i64", mt_ptr="*i64", g_ptr="*i32", g_words="i32")
+    dtypes = dict(y_ptr="*fp32", x_ptr="*bf16", x_rs="i32", x_cs="i32", n_cols="i32", g_ptr="*i32", g_words="i32",
+                  flags_ptr="*i32")
+    for allowed, grammar in ((False, True), (True, True), (False, False)):
+        build(_dense, dtypes, dict(HAS_ALLOWED=allowed, HAS_GRAMMAR=grammar, HAS_FLAGS=not allowed, WORDS=128))
+    ptypes = dict(dtypes, rep_ptr="*fp32", freq_ptr="*fp32", pres_ptr="*fp32", p_ids="*i64", p_off="*i64",
+                  o_ids="*i64", o_off="*i64", b_ids="*i64", b_vals="*fp32", b_off="*i64", a_ids="*i32",
+                  a_off="*i32", n_ids="*i32", n_off="*i32", s_ids="*i64", s_off="*i64", mt_ptr="*i64",
+                  **{f"{x}_n": "i32" for x in "pobans"})
     flags = ("HAS_PROMPT", "HAS_OUTPUT", "HAS_BIAS", "HAS_ALLOWED", "HAS_BANNED", "HAS_MIN_TOKENS", "HAS_GRAMMAR")
-    for on in (set(flags), {"HAS_ALLOWED", "HAS_GRAMMAR"}, {"HAS_PROMPT"}):
-        build(_process, ptypes, {**{f: f in on for f in flags}, "BLOCK": 2048, "TB": 64})
-    ltypes = dict(lp_ptr="*fp32", rank_ptr="*i64", top_i_ptr="*i64", top_lp_ptr="*fp32", tok_ptr="*i64",
-                  x_ptr="*fp32", x_rs="i32", x_cs="i32", n_cols="i32", cv_ptr="*fp32", ci_ptr="*i64")
-    build(_logprobs, ltypes, dict(N=5, BLOCK=2048, CAP=512, IS_F64=False))
-    build(_logprobs, dict(ltypes, x_ptr="*fp64", cv_ptr="*fp64"), dict(N=20, BLOCK=2048, CAP=512, IS_F64=True))
+    for on in (set(flags), {"HAS_ALLOWED", "HAS_GRAMMAR"}, {"HAS_PROMPT"}, {"HAS_BIAS"}):
+        build(_lists, ptypes, {**{f: f in on for f in flags}, "TB": 1024, "BT": 64}, num_warps=4)
+    ctypes = dict(part_ptr="*fp32", above_ptr="*i32", gv_ptr="*fp32", gi_ptr="*i32", tok_ptr="*i64",
+                  x_ptr="*fp32", x_rs="i32", x_cs="i32", n_cols="i32", n_chunks="i32")
+    mtypes = dict(ctypes, lp_ptr="*fp32", rank_ptr="*i64", top_i_ptr="*i64", top_lp_ptr="*fp32")
+    for n, f64 in ((5, False), (20, True), (0, False)):
+        fp = "*fp64" if f64 else "*fp32"
+        build(_lp_chunks, dict(ctypes, x_ptr=fp, part_ptr=fp, gv_ptr=fp),
+              dict(WITH_TOP=n > 0, CH=4096, NG=32, IS_F64=f64))
+        build(_lp_merge, dict(mtypes, x_ptr=fp, part_ptr=fp, gv_ptr=fp),
+              dict(N=n, NP=triton.next_power_of_2(max(n, 1)), CB=32, GB=1024, CH=4096, NG=32, IS_F64=f64), 4)

@@ -38,9 +38,11 @@ The pipeline, in the order a call runs it
    nucleus and the next is the winner over the tokens above it. min_p has no step of its own:
    it is the ``w >= min_p`` condition of the race's scores.
 
-Logits processors (penalties, bias, token masks, grammar bitmask; ``processors.py``) run before
-step 1 as a launch of their own that writes the processed logits, float32, for the steps above
-to read; logprobs (``logprobs.py``) run after the draw. A call with neither takes steps 0-4 alone.
+Logits processors (penalties, bias, token masks, grammar bitmask; ``processors.py``, kernels in
+``process_kernels.py``) run before step 1 as two launches of their own (a dense pass over rows x
+column blocks and a list kernel a row) that write the processed logits, float32, for the steps
+above to read; logprobs (``logprobs.py``) run after the draw, as a pass over rows x chunks and a
+merge a row. A call with neither takes steps 0-4 alone.
 
 Greedy calls take step 1 alone; pure temperature sampling skips the gather (nothing to filter);
 ``random_val`` mode (InfiniCore's ``random_sample``, ``random_val.py``) replaces steps 2-4 with

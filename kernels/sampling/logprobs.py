@@ -5,12 +5,21 @@ the top-n tokens (ties to the lower token id) with their log-probabilities.
 filters), as vLLM's ``raw_logprobs``. A row whose token is -1 (invalid) gets a logprob of NaN
 and rank 0; its top-n are computed all the same (NaN logits read as -inf).
 
-``_logprobs`` is one Triton kernel, a program per row: one pass for the max, the softmax total
-(online, per lane) and the count of logits strictly above the chosen one (rank = that + 1); a
-second pass gathers the tokens at or above a bound of the n-th largest logit (the n-th largest
-lane max) into a short list; then the top-n entries, each the largest (value, lowest id)
-strictly below the previous one in that order, by passes over that list (over the row where
-more than ``CANDIDATES`` tokens reach the bound). A separate launch after the draw: plain sampling never runs it.
+Two launches after the draw (plain sampling never runs them). ``_lp_chunks`` (grid rows x
+chunks, one read of the row at full bandwidth) reduces each chunk to its max, its softmax
+partial ``sum(exp(x - max_c))`` (online softmax, Milakov and Gimelshein, arXiv:1805.02867), the
+count of logits strictly above the chosen one, and the best token (largest value, then lowest
+id) of each of its groups of ``GROUP`` tokens (``stats.py``'s strided groups: runs of 8 adjacent
+tokens). ``_lp_merge`` (a program per row) combines them: ``log Z``, rank = 1 + the counts, and
+the top-n. Those lie in the n groups whose best tokens come first: a group holding a top-n
+token ``t`` has a best token at or before ``t``, and n groups ranked before it would hold n
+tokens before ``t``. So the merge selects n groups among the row's bests, reads their
+``n * GROUP`` logits again (a few KiB a row) and selects the top-n there, n rounds each.
+Selecting the top-n in each chunk instead costs n full-chunk reductions a chunk: 205 us for
+the issue-26 batch on an H100, against a read of the row's 45.
+
+Chunk widths depend on V alone (:func:`chunk_width`), so a row's sums do not change with the
+batch.
 """
 
 from __future__ import annotations
@@ -23,99 +32,113 @@ import triton.language as tl
 
 from .._backend import launchable, resolve_backend
 from .params import LOGPROBS_MODES, MAX_LOGPROBS
+from .stats import chunk_tile, tile_sum
 from .weights import to_compute
 
 INT32_MAX = tl.constexpr(2147483647)
-# Top-n candidate slots a row (gathered at or above the n-th largest lane max).
-CANDIDATES = 512
+GROUP = tl.constexpr(128)  # tokens a group: the merge reads n groups of a row again
+
+
+def chunk_width(n_cols: int) -> int:
+    """Columns a ``_lp_chunks`` program reads: about V / 16, a power of two in [256, 4096]. 4096
+    (16 KiB of float32, 16 values a thread of 8 warps) at vocabularies of 64K and more: 32 chunks
+    of 32 groups a row of 128256, enough programs to fill an H100 from 8 rows up. Smaller
+    vocabularies still get several chunks."""
+    return max(256, min(4096, triton.next_power_of_2(triton.cdiv(n_cols, 16))))
+
+
+@triton.jit
+def _group_cols(best, CH: tl.constexpr, NG: tl.constexpr):
+    """The columns of the group holding token ``best [NP]``, ``[NP, GROUP]`` (chunk_tile's order)."""
+    q = tl.arange(0, GROUP)
+    base = best // CH * CH + (best % CH) // 8 % NG * 8
+    return base[:, None] + ((q // 8) * (8 * NG) + q % 8)[None, :]
 
 
 @launchable
-@triton.jit(do_not_specialize=["n_cols"])
-def _logprobs(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_cs, n_cols, cv_ptr, ci_ptr,
-              N: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, IS_F64: tl.constexpr):
+@triton.jit(do_not_specialize=["n_cols", "n_chunks"])
+def _lp_chunks(part_ptr, above_ptr, gv_ptr, gi_ptr, tok_ptr, x_ptr, x_rs, x_cs, n_cols, n_chunks,
+               WITH_TOP: tl.constexpr, CH: tl.constexpr, NG: tl.constexpr, IS_F64: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     x_row = x_ptr + row * x_rs
     tok = tl.load(tok_ptr + row).to(tl.int64)
     tok_ok = (tok >= 0) & (tok < n_cols)
     xc = to_compute(tl.load(x_row + tl.where(tok_ok, tok, 0) * x_cs), IS_F64)
     xc = tl.where(xc != xc, float("-inf"), xc)
-    m_l = to_compute(tl.full([BLOCK], float("-inf"), tl.float32), IS_F64)
-    s_l = to_compute(tl.zeros([BLOCK], tl.float32), IS_F64)
-    above = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, n_cols, BLOCK):
-        col = start + tl.arange(0, BLOCK).to(tl.int64)
-        x = tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf"))
-        x = to_compute(x, IS_F64)
-        x = tl.where(x != x, float("-inf"), x)
-        m_new = tl.maximum(m_l, x)
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s_l = s_l * tl.exp(m_l - safe) + tl.exp(x - safe)
-        m_l = m_new
-        above += (x > xc).to(tl.int32)
-    m = tl.max(m_l, axis=0)
-    safe_m = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(s_l * tl.exp(m_l - safe_m), axis=0)
-    log_z = safe_m + tl.log(s)
-    lp = tl.where(tok_ok, xc - log_z, float("nan"))
-    tl.store(lp_ptr + row, lp.to(tl.float32))
-    tl.store(rank_ptr + row, tl.where(tok_ok, tl.sum(above, axis=0) + 1, 0).to(tl.int64))
-    # Top-n candidates: the n-th largest lane max L bounds the n-th largest logit from below (n
-    # lanes hold n distinct tokens >= L), so the top-n lie among the tokens >= L: one pass gathers
-    # them into the row's CAP slots, and the selection runs over those. More than CAP of them
-    # (ties, or fewer than n finite lanes): the selection runs over the row instead.
-    lanes = tl.arange(0, BLOCK)
-    taken = lanes < 0
-    bound = m
-    for j in tl.static_range(N):
-        bound = tl.max(tl.where(taken, float("-inf"), m_l), axis=0)
-        lane = tl.min(tl.where((m_l == bound) & (taken == 0), lanes, BLOCK), axis=0)
-        taken = taken | (lanes == lane)
-    count = tl.sum(lanes * 0, axis=0)
+    col, mask = chunk_tile(chunk, n_cols, CH, NG)
+    x = to_compute(tl.load(x_row + col.to(tl.int64) * x_cs, mask=mask, other=float("-inf")), IS_F64)
+    x = tl.where(x != x, float("-inf"), x)  # NaN reads as -inf (the reference's rule)
+    group_max = tl.max(tl.max(x, axis=2), axis=0)
+    m = tl.max(group_max, axis=0)
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    slot = row * n_chunks + chunk
+    tl.store(part_ptr + 2 * slot, m)
+    tl.store(part_ptr + 2 * slot + 1, tile_sum(tl.exp(x - safe)))
+    tl.store(above_ptr + slot, tile_sum((x > xc).to(tl.int32)))
+    if WITH_TOP:
+        # Each group's best token: its max, first id (INT32_MAX for a group past the row's end).
+        first = tl.where((x == group_max[None, :, None]) & mask, col, INT32_MAX)
+        g = slot * NG + tl.arange(0, NG)
+        tl.store(gv_ptr + g, group_max)
+        tl.store(gi_ptr + g, tl.min(tl.min(first, axis=2), axis=0))
+
+
+@triton.jit
+def _take_best(v, i, taken):
+    """The largest ``v`` not taken, then the lowest id ``i`` among equals: (value, id)."""
+    best_v = tl.max(tl.where(taken, float("-inf"), v), axis=0)
+    return best_v, tl.min(tl.where((v == best_v) & (taken == 0), i, INT32_MAX), axis=0)
+
+
+@launchable
+@triton.jit(do_not_specialize=["n_cols", "n_chunks"])
+def _lp_merge(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_cs, n_cols, n_chunks, part_ptr,
+              above_ptr, gv_ptr, gi_ptr, N: tl.constexpr, NP: tl.constexpr, CB: tl.constexpr, GB: tl.constexpr,
+              CH: tl.constexpr, NG: tl.constexpr, IS_F64: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_rs
+    c = tl.arange(0, CB)
+    cm = c < n_chunks
+    slot = row * n_chunks + c
+    m_c = tl.load(part_ptr + 2 * slot, mask=cm, other=float("-inf"))
+    s_c = tl.load(part_ptr + 2 * slot + 1, mask=cm, other=0.0)
+    m = tl.max(m_c, axis=0)
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    log_z = safe + tl.log(tl.sum(s_c * tl.exp(m_c - safe), axis=0))
+    tok = tl.load(tok_ptr + row).to(tl.int64)
+    tok_ok = (tok >= 0) & (tok < n_cols)
+    xc = to_compute(tl.load(x_row + tl.where(tok_ok, tok, 0) * x_cs), IS_F64)
+    xc = tl.where(xc != xc, float("-inf"), xc)
+    tl.store(lp_ptr + row, tl.where(tok_ok, xc - log_z, float("nan")).to(tl.float32))
+    above = tl.sum(tl.load(above_ptr + slot, mask=cm, other=0), axis=0)
+    tl.store(rank_ptr + row, tl.where(tok_ok, above + 1, 0).to(tl.int64))
     if N > 0:
-        for start in range(0, n_cols, BLOCK):
-            col = start + tl.arange(0, BLOCK).to(tl.int64)
-            x = to_compute(tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf")), IS_F64)
-            x = tl.where(x != x, float("-inf"), x)
-            keep = (col < n_cols) & (x >= bound)
-            pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            ok = keep & (pos < CAP)
-            tl.store(cv_ptr + row * CAP + pos, x, mask=ok)
-            tl.store(ci_ptr + row * CAP + pos, col, mask=ok)
-            count += tl.sum(keep.to(tl.int32), axis=0)
-        tl.debug_barrier()
-    use_list = count <= CAP
-    # Each entry: the largest (value, then lowest id) strictly after the previous one.
-    prev_v = to_compute(tl.full([], float("inf"), tl.float32), IS_F64)
-    prev_i = tl.full([], -1, tl.int64)
-    for j in tl.static_range(N):
-        bv = to_compute(tl.full([BLOCK], float("-inf"), tl.float32), IS_F64)
-        bi = tl.full([BLOCK], INT32_MAX, tl.int64)
-        if use_list:
-            for start in range(0, count, BLOCK):
-                idx = start + tl.arange(0, BLOCK)
-                live = idx < count
-                x = tl.load(cv_ptr + row * CAP + idx, mask=live, other=float("-inf"))
-                col = tl.load(ci_ptr + row * CAP + idx, mask=live, other=INT32_MAX)
-                after = live & ((x < prev_v) | ((x == prev_v) & (col > prev_i)))
-                better = after & ((x > bv) | ((x == bv) & (col < bi)))
-                bv = tl.where(better, x, bv)
-                bi = tl.where(better, col, bi)
-        else:
-            for start in range(0, n_cols, BLOCK):
-                col = start + tl.arange(0, BLOCK).to(tl.int64)
-                x = to_compute(tl.load(x_row + col * x_cs, mask=col < n_cols, other=float("-inf")), IS_F64)
-                x = tl.where(x != x, float("-inf"), x)
-                after = (col < n_cols) & ((x < prev_v) | ((x == prev_v) & (col > prev_i)))
-                better = after & ((x > bv) | ((x == bv) & (col < bi)))
-                bv = tl.where(better, x, bv)
-                bi = tl.where(better, col, bi)
-        v = tl.max(bv, axis=0)
-        i = tl.min(tl.where(bv == v, bi, INT32_MAX), axis=0)
-        tl.store(top_i_ptr + row * N + j, tl.where(i < n_cols, i, -1))
-        tl.store(top_lp_ptr + row * N + j, (v - log_z).to(tl.float32))
-        prev_v = v
-        prev_i = i
+        # The n groups whose best tokens come first (ids are unique: INT32_MAX only past the row).
+        k = tl.arange(0, GB)
+        km = k < n_chunks * NG
+        gv = tl.load(gv_ptr + row * n_chunks * NG + k, mask=km, other=float("-inf"))
+        gi = tl.load(gi_ptr + row * n_chunks * NG + k, mask=km, other=INT32_MAX)
+        taken = k < 0
+        lanes = tl.arange(0, NP)
+        chosen = tl.full([NP], INT32_MAX, tl.int32)
+        for j in tl.static_range(N):
+            v, i = _take_best(gv, gi, taken)
+            taken = taken | (gi == i)
+            chosen = tl.where(lanes == j, i, chosen)
+        # Their logits, and the top-n among them.
+        cols = _group_cols(tl.where(chosen < INT32_MAX, chosen, 0), CH, NG)
+        ok = (chosen < INT32_MAX)[:, None] & (cols < n_cols)
+        x = to_compute(tl.load(x_row + cols.to(tl.int64) * x_cs, mask=ok, other=float("-inf")), IS_F64)
+        x = tl.where(x != x, float("-inf"), x)
+        ids = tl.where(ok, cols, INT32_MAX)
+        taken = ids < 0
+        for j in tl.static_range(N):
+            v = tl.max(tl.max(tl.where(taken, float("-inf"), x), axis=1), axis=0)
+            i = tl.min(tl.min(tl.where((x == v) & (taken == 0), ids, INT32_MAX), axis=1), axis=0)
+            taken = taken | (ids == i)
+            tl.store(top_i_ptr + row * N + j, tl.where(i < n_cols, i, -1).to(tl.int64))
+            tl.store(top_lp_ptr + row * N + j, (v - log_z).to(tl.float32))
 
 
 @dataclass
@@ -189,11 +212,20 @@ def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int = 0, *, mode:
         ref = reference(logits, token_ids, n)
         return Logprobs(ref[0].to(torch.float32), ref[1], ref[2], ref[3].to(torch.float32))
     is_f64 = logits.dtype == torch.float64
-    block = min(2048, triton.next_power_of_2(max(n_cols, 16)))
-    slots = n_rows * CANDIDATES if n else 1
-    cv = torch.empty(slots, dtype=torch.float64 if is_f64 else torch.float32, device=dev)
-    ci = torch.empty(slots, dtype=torch.int64, device=dev)
-    _logprobs.for_backend(backend)[(n_rows,)](
-        out.token_logprob, out.token_rank, out.top_token_ids, out.top_logprobs, token_ids, logits,
-        *logits.stride(), n_cols, cv, ci, N=n, BLOCK=block, CAP=CANDIDATES, IS_F64=is_f64, num_warps=8)
+    ct = torch.float64 if is_f64 else torch.float32
+    ch = chunk_width(n_cols)
+    ng = ch // GROUP.value
+    n_chunks = triton.cdiv(n_cols, ch)
+    part = torch.empty((n_rows, n_chunks, 2), dtype=ct, device=dev)
+    above = torch.empty((n_rows, n_chunks), dtype=torch.int32, device=dev)
+    groups = (n_rows, n_chunks * ng) if n else (1,)
+    gv = torch.empty(groups, dtype=ct, device=dev)
+    gi = torch.empty(groups, dtype=torch.int32, device=dev)
+    args = (token_ids, logits, *logits.stride(), n_cols, n_chunks)
+    _lp_chunks.for_backend(backend)[(n_rows, n_chunks)](part, above, gv, gi, *args, WITH_TOP=n > 0, CH=ch, NG=ng,
+                                                       IS_F64=is_f64, num_warps=8)
+    _lp_merge.for_backend(backend)[(n_rows,)](
+        out.token_logprob, out.token_rank, out.top_token_ids, out.top_logprobs, *args, part, above, gv, gi, N=n,
+        NP=triton.next_power_of_2(max(n, 1)), CB=triton.next_power_of_2(n_chunks),
+        GB=triton.next_power_of_2(n_chunks * ng), CH=ch, NG=ng, IS_F64=is_f64, num_warps=4)
     return out

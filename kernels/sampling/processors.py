@@ -11,18 +11,19 @@ For a token ``t`` of row ``r`` (``x`` its logit, ``count`` its occurrences in th
     x = -inf  unless t is allowed (allowed list, when given; grammar bit set, when given)
     x = -inf  where t is banned, or a stop token while len(output) < min_tokens
 
-``_process`` is one Triton kernel, a program per row, that writes the processed row (float32)
-into a new tensor which the sampling launches then read. It runs in phases separated by
-barriers: (1) a dense pass copies the row, with the grammar mask, or writes -inf everywhere
-when an allowed list is given; (2) the allowed tokens are copied back (grammar permitting);
-(3) every token in the prompt, output or bias lists gets its value from the formula above,
-unless it is already -inf (masked); (4) banned and (active) stop tokens get -inf. Penalties and
-bias touch only the tokens in the lists, so their cost is the lists' lengths (counts by tile
-compares, [TB, TB] at a time), not the vocabulary. Each phase-3 write is the token's final value
-from the original logits, so duplicate ids (written twice, the same value) need no ordering.
+Two launches (``process_kernels.py``) write the processed row (float32) into a new tensor which
+the sampling launches then read: ``_dense`` over rows x column blocks (the row, grammar-masked,
+or -inf everywhere under an allowed list) and ``_lists``, a program per row, whose cost is the
+lists' lengths, not the vocabulary (flags set with atomics find each token's first occurrence
+and count the output; each listed token is written once, from its original logit).
 
-Ids outside ``[0, V)`` are ignored by the kernel (CPU inputs are checked on the host first, with
-``ValueError``; CUDA inputs are not, since reading them back would cost a synchronisation).
+Ragged lists: row ``r`` of a list is ``ids[offsets[r]:offsets[r + 1]]``. On the CPU the offsets
+(from 0, not decreasing, ending at ``len(ids)``) and the ids (in ``[0, V)``) are checked on the
+host, with ``ValueError``. On CUDA neither is read back (that would cost a synchronisation per
+list, and forbid capturing the call in a CUDA graph): the kernel clamps a row's span into
+``[0, len(ids)]`` (``lo = clamp(offsets[r], 0, n)``, ``hi = clamp(offsets[r + 1], lo, n)``) and
+skips ids outside ``[0, V)``, so broken offsets give that row a wrong list, never a read out of
+bounds. The server checks every wire input on the host first (``server/ops/sample_processors.py``).
 """
 
 from __future__ import annotations
@@ -31,166 +32,16 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
-from .._backend import launchable, resolve_backend
+from .._backend import resolve_backend
 from .params import MIN_TOKENS, PENALTY_PARAMS, RAGGED_LISTS, SamplingParam
+from .process_kernels import N_FLAGS, _dense, _lists
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-TB = 64  # list tokens per tile
-DENSE_BLOCK = 2048
-
-
-@triton.jit
-def _allowed_by_grammar(g_ptr, row, g_words, t, HAS_GRAMMAR: tl.constexpr):
-    if HAS_GRAMMAR:
-        word = tl.load(g_ptr + row * g_words + (t // 32))
-        return ((word >> (t % 32).to(word.dtype)) & 1) != 0
-    else:
-        return t >= 0
-
-
-@triton.jit
-def _span(off_ptr, row):
-    return tl.load(off_ptr + row).to(tl.int64), tl.load(off_ptr + row + 1).to(tl.int64)
-
-
-@triton.jit
-def _count_in(t, ids_ptr, lo, hi, TB: tl.constexpr):
-    """How often each of ``t [TB]`` occurs in ``ids[lo:hi]`` (int32 [TB])."""
-    count = tl.zeros([TB], tl.int32)
-    for s in range(lo, hi, TB):
-        j = s + tl.arange(0, TB)
-        o = tl.load(ids_ptr + j, mask=j < hi, other=-1).to(tl.int64)
-        count += tl.sum(((t[:, None] == o[None, :]) & (j < hi)[None, :]).to(tl.int32), axis=1)
-    return count
-
-
-@triton.jit
-def _touch(y_row, x_row, x_cs, t, ok, row, rep, freq, pres, p_ids, p_lo, p_hi, o_ids, o_lo, o_hi,
-           b_ids, b_vals, b_lo, b_hi, SEEN: tl.constexpr, HAS_PROMPT: tl.constexpr, HAS_OUTPUT: tl.constexpr,
-           HAS_BIAS: tl.constexpr, TB: tl.constexpr):
-    """Phase 3 for list tokens ``t [TB]`` (lanes ``ok``): their final value, unless masked."""
-    cur = tl.load(y_row + t, mask=ok, other=float("-inf"))
-    v = tl.load(x_row + t * x_cs, mask=ok, other=0.0).to(tl.float32)
-    if HAS_OUTPUT:
-        count = _count_in(t, o_ids, o_lo, o_hi, TB)
-        seen = count > 0
-        if SEEN:
-            seen = seen | ok
-        elif HAS_PROMPT:
-            seen = seen | (_count_in(t, p_ids, p_lo, p_hi, TB) > 0)
-        v = tl.where(seen, tl.where(v > 0, v / rep, v * rep), v)
-        v = v - freq * count.to(tl.float32) - tl.where(count > 0, pres, 0.0)
-    elif HAS_PROMPT:
-        seen = ok
-        if not SEEN:
-            seen = _count_in(t, p_ids, p_lo, p_hi, TB) > 0
-        v = tl.where(seen, tl.where(v > 0, v / rep, v * rep), v)
-    if HAS_BIAS:
-        bias = tl.zeros([TB], tl.float32)
-        for s in range(b_lo, b_hi, TB):
-            j = s + tl.arange(0, TB)
-            bm = j < b_hi
-            b = tl.load(b_ids + j, mask=bm, other=-1).to(tl.int64)
-            bv = tl.load(b_vals + j, mask=bm, other=0.0).to(tl.float32)
-            bias += tl.sum(tl.where((t[:, None] == b[None, :]) & bm[None, :], bv[None, :], 0.0), axis=1)
-        v = v + bias
-    tl.store(y_row + t, tl.where(cur == float("-inf"), cur, v), mask=ok)
-
-
-@launchable
-@triton.jit(do_not_specialize=["n_cols", "g_words"])
-def _process(y_ptr, x_ptr, x_rs, x_cs, n_cols, rep_ptr, freq_ptr, pres_ptr, p_ids, p_off, o_ids, o_off,
-             b_ids, b_vals, b_off, a_ids, a_off, n_ids, n_off, s_ids, s_off, mt_ptr, g_ptr, g_words,
-             HAS_PROMPT: tl.constexpr, HAS_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-             HAS_ALLOWED: tl.constexpr, HAS_BANNED: tl.constexpr, HAS_MIN_TOKENS: tl.constexpr,
-             HAS_GRAMMAR: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_rs
-    y_row = y_ptr + row * n_cols
-    # (1) Dense: the row, grammar-masked; everything -inf when an allowed list is given.
-    for start in range(0, n_cols, BLOCK):
-        col = start + tl.arange(0, BLOCK).to(tl.int64)
-        m = col < n_cols
-        if HAS_ALLOWED:
-            x = tl.full([BLOCK], float("-inf"), tl.float32)
-        else:
-            x = tl.load(x_row + col * x_cs, mask=m, other=float("-inf")).to(tl.float32)
-            if HAS_GRAMMAR:
-                word = tl.load(g_ptr + row * g_words + col // 32, mask=m, other=0)
-                x = tl.where(((word >> (col % 32).to(word.dtype)) & 1) != 0, x, float("-inf"))
-        tl.store(y_row + col, x, mask=m)
-    tl.debug_barrier()
-    # (2) The allowed tokens back, where the grammar allows them too.
-    if HAS_ALLOWED:
-        a_lo, a_hi = _span(a_off, row)
-        for s in range(a_lo, a_hi, TB):
-            j = s + tl.arange(0, TB)
-            t = tl.load(a_ids + j, mask=j < a_hi, other=-1).to(tl.int64)
-            ok = (j < a_hi) & (t >= 0) & (t < n_cols)
-            t = tl.where(ok, t, 0)
-            x = tl.load(x_row + t * x_cs, mask=ok, other=float("-inf")).to(tl.float32)
-            keep = _allowed_by_grammar(g_ptr, row, g_words, t, HAS_GRAMMAR)
-            tl.store(y_row + t, tl.where(keep, x, float("-inf")), mask=ok)
-        tl.debug_barrier()
-    # (3) Penalties and bias on the tokens of the lists.
-    if HAS_PROMPT or HAS_OUTPUT or HAS_BIAS:
-        rep = tl.load(rep_ptr + row)
-        freq = tl.load(freq_ptr + row)
-        pres = tl.load(pres_ptr + row)
-        p_lo = row * 0
-        p_hi = row * 0
-        o_lo = row * 0
-        o_hi = row * 0
-        b_lo = row * 0
-        b_hi = row * 0
-        if HAS_PROMPT:
-            p_lo, p_hi = _span(p_off, row)
-        if HAS_OUTPUT:
-            o_lo, o_hi = _span(o_off, row)
-        if HAS_BIAS:
-            b_lo, b_hi = _span(b_off, row)
-        if HAS_PROMPT:
-            for s in range(p_lo, p_hi, TB):
-                j = s + tl.arange(0, TB)
-                t = tl.load(p_ids + j, mask=j < p_hi, other=-1).to(tl.int64)
-                ok = (j < p_hi) & (t >= 0) & (t < n_cols)
-                _touch(y_row, x_row, x_cs, tl.where(ok, t, 0), ok, row, rep, freq, pres, p_ids, p_lo, p_hi,
-                       o_ids, o_lo, o_hi, b_ids, b_vals, b_lo, b_hi, True, HAS_PROMPT, HAS_OUTPUT, HAS_BIAS, TB)
-        if HAS_OUTPUT:
-            for s in range(o_lo, o_hi, TB):
-                j = s + tl.arange(0, TB)
-                t = tl.load(o_ids + j, mask=j < o_hi, other=-1).to(tl.int64)
-                ok = (j < o_hi) & (t >= 0) & (t < n_cols)
-                _touch(y_row, x_row, x_cs, tl.where(ok, t, 0), ok, row, rep, freq, pres, p_ids, p_lo, p_hi,
-                       o_ids, o_lo, o_hi, b_ids, b_vals, b_lo, b_hi, True, HAS_PROMPT, HAS_OUTPUT, HAS_BIAS, TB)
-        if HAS_BIAS:
-            for s in range(b_lo, b_hi, TB):
-                j = s + tl.arange(0, TB)
-                t = tl.load(b_ids + j, mask=j < b_hi, other=-1).to(tl.int64)
-                ok = (j < b_hi) & (t >= 0) & (t < n_cols)
-                _touch(y_row, x_row, x_cs, tl.where(ok, t, 0), ok, row, rep, freq, pres, p_ids, p_lo, p_hi,
-                       o_ids, o_lo, o_hi, b_ids, b_vals, b_lo, b_hi, False, HAS_PROMPT, HAS_OUTPUT, HAS_BIAS, TB)
-        tl.debug_barrier()
-    # (4) Banned tokens, and stop tokens while the output is shorter than min_tokens.
-    if HAS_BANNED:
-        n_lo, n_hi = _span(n_off, row)
-        for s in range(n_lo, n_hi, TB):
-            j = s + tl.arange(0, TB)
-            t = tl.load(n_ids + j, mask=j < n_hi, other=-1).to(tl.int64)
-            ok = (j < n_hi) & (t >= 0) & (t < n_cols)
-            tl.store(y_row + tl.where(ok, t, 0), tl.full([TB], float("-inf"), tl.float32), mask=ok)
-    if HAS_MIN_TOKENS:
-        out_lo, out_hi = _span(o_off, row)
-        out_len = out_hi - out_lo
-        min_len = tl.load(mt_ptr + row).to(tl.int64)
-        s_lo, s_hi = _span(s_off, row)
-        for s in range(s_lo, s_hi, TB):
-            j = s + tl.arange(0, TB)
-            t = tl.load(s_ids + j, mask=j < s_hi, other=-1).to(tl.int64)
-            ok = (j < s_hi) & (t >= 0) & (t < n_cols) & (j * 0 + out_len < min_len)
-            tl.store(y_row + tl.where(ok, t, 0), tl.full([TB], float("-inf"), tl.float32), mask=ok)
+LIST_TILE = 1024  # list tokens a step of _lists: lists of a few thousand take a few steps a phase
+LIST_WARPS = 4  # 8 list tokens a thread of _lists a step
+BIAS_TILE = 64  # bias tokens a step, each summed against the bias list BIAS_TILE at a time
+DENSE_WORDS = 128  # grammar words (32 columns each) a _dense program: 4096 columns
 
 
 @dataclass
@@ -299,20 +150,18 @@ def _check_ragged(ids_name, off_name, ids, offsets, n_rows, n_cols, device) -> N
             raise ValueError(f"{name} must be contiguous")
     if offsets.shape[0] != n_rows + 1:
         raise ValueError(f"{off_name} must have batch_size + 1 = {n_rows + 1} entries, got {offsets.shape[0]}")
-    # The offsets ([B + 1]) are read on the host on every device, since the kernel trusts the
-    # spans they make: one past the ids would read out of bounds. The ids are checked on the CPU
-    # only (the kernel skips an id outside the vocabulary; reading them back would cost a copy).
-    message = ragged_error(ids.tolist() if device.type == "cpu" else None, offsets.tolist(), n_cols,
-                           n_ids=ids.shape[0])
+    # On CUDA, neither ids nor offsets are read back: the kernel clamps spans and skips bad ids
+    # (module docstring), which keeps the call free of synchronisations.
+    if device.type != "cpu":
+        return
+    message = ragged_error(ids.tolist(), offsets.tolist(), n_cols)
     if message:
         raise ValueError(f"{ids_name if message[0] == 'ids' else off_name}: {message[1]}")
 
 
-def ragged_error(ids: list | None, offsets: list, n_cols: int, n_ids: int | None = None) -> tuple[str, str] | None:
-    """The first broken rule of a ragged list, as ``("ids" | "offsets", message)``; None if valid.
-    ``ids`` None checks the offsets alone, against ``n_ids`` ids."""
-    if n_ids is None:
-        n_ids = len(ids)
+def ragged_error(ids: list, offsets: list, n_cols: int) -> tuple[str, str] | None:
+    """The first broken rule of a ragged list, as ``("ids" | "offsets", message)``; None if valid."""
+    n_ids = len(ids)
     if offsets[0] != 0:
         return "offsets", f"must start at 0, got {offsets[0]}"
     for r in range(len(offsets) - 1):
@@ -320,8 +169,6 @@ def ragged_error(ids: list | None, offsets: list, n_cols: int, n_ids: int | None
             return "offsets", f"must not decrease, got {offsets[r + 1]} after {offsets[r]} (row {r})"
     if offsets[-1] != n_ids:
         return "offsets", f"must end at the ids' length {n_ids}, got {offsets[-1]}"
-    if ids is None:
-        return None
     for r in range(len(offsets) - 1):
         for i in range(offsets[r], offsets[r + 1]):
             if not 0 <= ids[i] < n_cols:
@@ -347,29 +194,37 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
     if n_rows == 0:
         return y
     dummy = torch.zeros(2, dtype=torch.int32, device=dev)
-    fdummy = torch.zeros(1, dtype=torch.float32, device=dev)
     rep, freq, pres = (_rows(getattr(procs, p.name), n_rows, torch.float32, dev) for p in PENALTY_PARAMS.values())
-    use_penalties = procs.penalties_on
+    prompt_on = procs.penalties_on and procs.prompt is not None
+    output_on = procs.penalties_on and procs.output is not None
+    bias, g = procs.logit_bias, procs.grammar_bitmask
+    words = (n_cols + 31) // 32
+    with_flags = prompt_on or output_on or bias is not None
+    flags = torch.empty((n_rows, N_FLAGS.value, words) if with_flags else (1,), dtype=torch.int32, device=dev)
 
-    def pair(lst, on=True):
-        return (lst[0], lst[1]) if lst is not None and on else (dummy, dummy)
+    def ragged(lst, on=True):
+        return (lst[0], lst[1], lst[0].shape[0]) if lst is not None and on else (dummy, dummy, 0)
 
-    prompt_on = use_penalties and procs.prompt is not None
-    output_on = use_penalties and procs.output is not None
-    bias = procs.logit_bias
-    g = procs.grammar_bitmask
+    # The output's offsets also serve min_tokens (the output's length), penalties or not.
+    o_ids, o_off, o_n = ragged(procs.output)
+    if not output_on:
+        o_ids = dummy
     mt = _rows(procs.min_tokens, n_rows, torch.int64, dev) if procs.min_tokens_on else dummy
-    o_off = procs.output[1] if procs.output is not None else dummy
-    o_ids = procs.output[0] if output_on else dummy
-    args = (y, logits, *logits.stride(), n_cols, rep, freq, pres, *pair(procs.prompt, prompt_on), o_ids, o_off,
-            *((bias[0], bias[2], bias[1]) if bias is not None else (dummy, fdummy, dummy)),
-            *pair(procs.allowed), *pair(procs.banned), *pair(procs.stop, procs.min_tokens_on), mt,
-            g if g is not None else dummy, g.shape[1] if g is not None else 0)
-    _process.for_backend(backend)[(n_rows,)](
-        *args, HAS_PROMPT=prompt_on, HAS_OUTPUT=output_on, HAS_BIAS=bias is not None,
+    g_arg = g if g is not None else dummy
+    _dense.for_backend(backend)[(n_rows, triton.cdiv(words, DENSE_WORDS))](
+        y, logits, *logits.stride(), n_cols, g_arg, words, flags, HAS_ALLOWED=procs.allowed is not None,
+        HAS_GRAMMAR=g is not None, HAS_FLAGS=with_flags, WORDS=DENSE_WORDS, num_warps=8)
+    if not (with_flags or procs.allowed is not None or procs.banned is not None or procs.min_tokens_on):
+        return y  # a grammar bitmask alone: the dense pass did everything
+    _lists.for_backend(backend)[(n_rows,)](
+        y, logits, *logits.stride(), n_cols, flags, g_arg, words, rep, freq, pres, *ragged(procs.prompt, prompt_on),
+        o_ids, o_off, o_n, *((bias[0], bias[2], bias[1], bias[0].shape[0]) if bias is not None else
+                             (dummy, dummy, dummy, 0)),
+        *ragged(procs.allowed), *ragged(procs.banned), *ragged(procs.stop, procs.min_tokens_on), mt,
+        HAS_PROMPT=prompt_on, HAS_OUTPUT=output_on, HAS_BIAS=bias is not None,
         HAS_ALLOWED=procs.allowed is not None, HAS_BANNED=procs.banned is not None,
-        HAS_MIN_TOKENS=procs.min_tokens_on, HAS_GRAMMAR=g is not None,
-        BLOCK=min(DENSE_BLOCK, triton.next_power_of_2(max(n_cols, 16))), TB=TB, num_warps=8)
+        HAS_MIN_TOKENS=procs.min_tokens_on, HAS_GRAMMAR=g is not None, TB=LIST_TILE, BT=BIAS_TILE,
+        num_warps=LIST_WARPS)
     return y
 
 

@@ -1,0 +1,226 @@
+"""The two launches of the logits processors (``processors.py`` states the semantics and calls them).
+
+``_dense`` (grid rows x column blocks) is the part whose cost is the vocabulary: ``y = x``
+(float32), grammar-masked, or -inf everywhere where an allowed list is given; it also zeroes the
+row's flag words (below) for its block. A block is a ``[WORDS, 32]`` tile, one grammar word a
+line, so the mask is one load of ``WORDS`` words. It moves ``4V`` bytes read (float32 logits)
+and ``4V`` written a row, at copy bandwidth.
+
+``_lists`` (a program per row) touches only the tokens of the row's lists, O(length of the
+lists), in phases separated by barriers (``__syncthreads``, which also orders the block's
+global memory accesses):
+
+1. the allowed tokens get their logits back (grammar permitting);
+2. flags: each prompt token sets its ``P`` bit; each output token that is not masked
+   (``y != -inf``) sets its ``O`` bit with ``atomic_or``, and the one lane that finds the bit
+   clear (the old word says so) turns the token's ``y`` slot into an int32 count, 0;
+3. every output token whose ``O`` bit is set adds 1 to that count (``atomic_add``);
+4. each token of the bias, output and prompt lists is written once, by the lane that sets its
+   ``T`` bit first: its final value from the original logit ``x``, the count and the flags, with
+   the bias summed over the bias list in list order (the bias lanes claim first, behind a
+   barrier of their own, so that only they sum biases). A token masked by ``_dense`` or phase 1
+   (its ``y`` -inf, no ``O`` bit) stays -inf whatever its bias;
+5. banned tokens, and stop tokens while the output is shorter than ``min_tokens``: -inf.
+
+The atomics are relaxed (``acq_rel``, Triton's default, fences each one: measured 101 us for
+the issue-26 batch on an H100): the barriers order the phases, and reads of what atomics wrote
+go to L2 (``.cg``). Every float is computed once per token from the original logit, in one
+order (no float atomics), so the result does not depend on which lane won a race, nor on the
+batch. Ids outside ``[0, V)`` are skipped; a row's span of a list is clamped into
+``[0, len(ids)]``, so no offsets make a read go out of bounds.
+
+The flags are bits of an int32 workspace ``[B, 3, ceil(V / 32)]`` (``O``, ``P``, ``T``): 12 bytes
+per 32 tokens, 1.5% of the dense pass's bytes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .._backend import launchable
+
+# Flag arrays of the workspace, in this order a row: O (output token, not masked), P (prompt
+# token), T (final value written).
+N_FLAGS = tl.constexpr(3)
+
+
+@launchable
+@triton.jit(do_not_specialize=["n_cols", "g_words"])
+def _dense(y_ptr, x_ptr, x_rs, x_cs, n_cols, g_ptr, g_words, flags_ptr,
+           HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr, HAS_FLAGS: tl.constexpr, WORDS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    word = tl.program_id(1) * WORDS + tl.arange(0, WORDS).to(tl.int64)
+    wmask = word < g_words
+    col = word[:, None] * 32 + tl.arange(0, 32)[None, :]
+    mask = col < n_cols
+    if HAS_ALLOWED:
+        x = tl.full([WORDS, 32], float("-inf"), tl.float32)
+    else:
+        x = tl.load(x_ptr + row * x_rs + col * x_cs, mask=mask, other=float("-inf")).to(tl.float32)
+        if HAS_GRAMMAR:
+            g = tl.load(g_ptr + row * g_words + word, mask=wmask, other=0)
+            x = tl.where(((g[:, None] >> tl.arange(0, 32)[None, :]) & 1) != 0, x, float("-inf"))
+    tl.store(y_ptr + row * n_cols + col, x, mask=mask)
+    if HAS_FLAGS:
+        for f in tl.static_range(N_FLAGS):
+            tl.store(flags_ptr + (row * N_FLAGS + f) * g_words + word, tl.zeros([WORDS], tl.int32), mask=wmask)
+
+
+@triton.jit
+def _span(off_ptr, row, n_ids):
+    """The row's span of a ragged list, clamped into ``[0, n_ids]``: offsets on CUDA are not
+    checked on the host (that would cost a synchronisation), and no value may read past the ids."""
+    lo = tl.load(off_ptr + row).to(tl.int64)
+    hi = tl.load(off_ptr + row + 1).to(tl.int64)
+    lo = tl.minimum(tl.maximum(lo, 0), n_ids)
+    return lo, tl.minimum(tl.maximum(hi, lo), n_ids)
+
+
+@triton.jit
+def _tile(ids_ptr, s, hi, n_cols, TB: tl.constexpr):
+    """Tokens ``ids[s:s + TB]`` below ``hi`` as (token, word, bit, lane valid); invalid lanes
+    (past ``hi``, or an id outside ``[0, n_cols)``) read token 0."""
+    j = s + tl.arange(0, TB)
+    t = tl.load(ids_ptr + j, mask=j < hi, other=-1).to(tl.int64)
+    ok = (j < hi) & (t >= 0) & (t < n_cols)
+    t = tl.where(ok, t, 0)
+    return t, t // 32, tl.full([TB], 1, tl.int32) << (t % 32).to(tl.int32), ok
+
+
+@triton.jit
+def _has(bits_ptr, word, bit, ok):
+    # .cg: read at L2, where the atomics wrote (no stale L1 line).
+    return (tl.load(bits_ptr + word, mask=ok, other=0, cache_modifier=".cg") & bit) != 0
+
+
+@triton.jit
+def _claim(bits_ptr, word, bit, ok):
+    """Set the bits; true on the one lane per token that found its bit clear."""
+    old = tl.atomic_or(bits_ptr + word, bit, mask=ok, sem="relaxed")
+    return ok & ((old & bit) == 0)
+
+
+@triton.jit
+def _final(y_row, x_row, x_cs, t, word, bit, w, o_flags, p_flags, rep, freq, pres, bias,
+           HAS_PROMPT: tl.constexpr, HAS_OUTPUT: tl.constexpr, WITH_BIAS: tl.constexpr):
+    """Store the final value of tokens ``t`` on the writing lanes ``w``: penalties, then ``bias``,
+    from the original logit; -inf where masked (the bias cannot bring a masked token back)."""
+    # Masked: y still -inf. (An output token that is not masked holds its count there, phases
+    # 2-3: a small positive int, whose bits never read as -inf.)
+    masked = tl.load(y_row + t, mask=w, other=float("-inf"), cache_modifier=".cg") == float("-inf")
+    v = tl.load(x_row + t * x_cs, mask=w, other=0.0).to(tl.float32)
+    if HAS_OUTPUT:
+        in_out = _has(o_flags, word, bit, w)
+        count = tl.load(y_row.to(tl.pointer_type(tl.int32)) + t, mask=w & in_out, other=0, cache_modifier=".cg")
+        seen = in_out
+        if HAS_PROMPT:
+            seen = seen | _has(p_flags, word, bit, w)
+        v = tl.where(seen, tl.where(v > 0, v / rep, v * rep), v)
+        v = v - freq * count.to(tl.float32) - tl.where(count > 0, pres, 0.0)
+    elif HAS_PROMPT:
+        v = tl.where(_has(p_flags, word, bit, w), tl.where(v > 0, v / rep, v * rep), v)
+    if WITH_BIAS:
+        v = v + bias
+    tl.store(y_row + t, tl.where(masked, float("-inf"), v), mask=w)
+
+
+@triton.jit
+def _write_list(y_row, x_row, x_cs, n_cols, ids, lo, hi, o_flags, p_flags, t_flags, rep, freq, pres,
+                HAS_PROMPT: tl.constexpr, HAS_OUTPUT: tl.constexpr, TB: tl.constexpr):
+    """Phase 4 for a list without biases (its bias tokens were written already)."""
+    for s in range(lo, hi, TB):
+        t, word, bit, ok = _tile(ids, s, hi, n_cols, TB)
+        w = _claim(t_flags, word, bit, ok)
+        _final(y_row, x_row, x_cs, t, word, bit, w, o_flags, p_flags, rep, freq, pres, 0.0, HAS_PROMPT, HAS_OUTPUT,
+               False)
+
+
+@launchable
+@triton.jit(do_not_specialize=["n_cols", "g_words", "p_n", "o_n", "b_n", "a_n", "n_n", "s_n"])
+def _lists(y_ptr, x_ptr, x_rs, x_cs, n_cols, flags_ptr, g_ptr, g_words, rep_ptr, freq_ptr, pres_ptr,
+           p_ids, p_off, p_n, o_ids, o_off, o_n, b_ids, b_vals, b_off, b_n, a_ids, a_off, a_n, n_ids, n_off, n_n,
+           s_ids, s_off, s_n, mt_ptr,
+           HAS_PROMPT: tl.constexpr, HAS_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr,
+           HAS_ALLOWED: tl.constexpr, HAS_BANNED: tl.constexpr, HAS_MIN_TOKENS: tl.constexpr,
+           HAS_GRAMMAR: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_rs
+    y_row = y_ptr + row * n_cols
+    o_flags = flags_ptr + row * N_FLAGS * g_words
+    p_flags = o_flags + g_words
+    t_flags = p_flags + g_words
+    # (1) The allowed tokens back, where the grammar allows them too.
+    if HAS_ALLOWED:
+        a_lo, a_hi = _span(a_off, row, a_n)
+        for s in range(a_lo, a_hi, TB):
+            t, word, bit, ok = _tile(a_ids, s, a_hi, n_cols, TB)
+            x = tl.load(x_row + t * x_cs, mask=ok, other=float("-inf")).to(tl.float32)
+            if HAS_GRAMMAR:
+                x = tl.where(_has(g_ptr + row * g_words, word, bit, ok), x, float("-inf"))
+            tl.store(y_row + t, x, mask=ok)
+        tl.debug_barrier()
+    if HAS_PROMPT or HAS_OUTPUT or HAS_BIAS:
+        rep = tl.load(rep_ptr + row)
+        freq = tl.load(freq_ptr + row)
+        pres = tl.load(pres_ptr + row)
+        # (2) Flags; an output token's first lane turns its y slot into a count.
+        if HAS_PROMPT:
+            p_lo, p_hi = _span(p_off, row, p_n)
+            for s in range(p_lo, p_hi, TB):
+                t, word, bit, ok = _tile(p_ids, s, p_hi, n_cols, TB)
+                tl.atomic_or(p_flags + word, bit, mask=ok, sem="relaxed")
+        if HAS_OUTPUT:
+            y_int = y_row.to(tl.pointer_type(tl.int32))
+            o_lo, o_hi = _span(o_off, row, o_n)
+            for s in range(o_lo, o_hi, TB):
+                t, word, bit, ok = _tile(o_ids, s, o_hi, n_cols, TB)
+                # A lane that reads the first lane's 0 (not -inf) agrees that the token is live.
+                live = ok & (tl.load(y_row + t, mask=ok, other=float("-inf")) != float("-inf"))
+                tl.store(y_int + t, tl.zeros([TB], tl.int32), mask=_claim(o_flags, word, bit, live))
+            tl.debug_barrier()
+            # (3) The counts.
+            for s in range(o_lo, o_hi, TB):
+                t, word, bit, ok = _tile(o_ids, s, o_hi, n_cols, TB)
+                tl.atomic_add(y_int + t, tl.full([TB], 1, tl.int32), mask=_has(o_flags, word, bit, ok),
+                              sem="relaxed")
+        tl.debug_barrier()
+        # (4) Final values: the bias tokens first, their biases summed in list order.
+        if HAS_BIAS:
+            b_lo, b_hi = _span(b_off, row, b_n)
+            for s in range(b_lo, b_hi, BT):
+                t, word, bit, ok = _tile(b_ids, s, b_hi, n_cols, BT)
+                w = _claim(t_flags, word, bit, ok)
+                bias = tl.zeros([BT], tl.float32)
+                for s2 in range(b_lo, b_hi, BT):
+                    j = s2 + tl.arange(0, BT)
+                    jm = j < b_hi
+                    b = tl.load(b_ids + j, mask=jm, other=-1).to(tl.int64)
+                    bv = tl.load(b_vals + j, mask=jm, other=0.0).to(tl.float32)
+                    bias += tl.sum(tl.where((t[:, None] == b[None, :]) & jm[None, :], bv[None, :], 0.0), axis=1)
+                _final(y_row, x_row, x_cs, t, word, bit, w, o_flags, p_flags, rep, freq, pres, bias, HAS_PROMPT,
+                       HAS_OUTPUT, True)
+            tl.debug_barrier()
+        if HAS_OUTPUT:
+            o_lo, o_hi = _span(o_off, row, o_n)
+            _write_list(y_row, x_row, x_cs, n_cols, o_ids, o_lo, o_hi, o_flags, p_flags, t_flags, rep, freq, pres,
+                        HAS_PROMPT, HAS_OUTPUT, TB)
+        if HAS_PROMPT:
+            p_lo, p_hi = _span(p_off, row, p_n)
+            _write_list(y_row, x_row, x_cs, n_cols, p_ids, p_lo, p_hi, o_flags, p_flags, t_flags, rep, freq, pres,
+                        HAS_PROMPT, HAS_OUTPUT, TB)
+        tl.debug_barrier()
+    # (5) Banned tokens, and stop tokens while the output is shorter than min_tokens.
+    if HAS_BANNED:
+        n_lo, n_hi = _span(n_off, row, n_n)
+        for s in range(n_lo, n_hi, TB):
+            t, word, bit, ok = _tile(n_ids, s, n_hi, n_cols, TB)
+            tl.store(y_row + t, tl.full([TB], float("-inf"), tl.float32), mask=ok)
+    if HAS_MIN_TOKENS:
+        out_lo, out_hi = _span(o_off, row, o_n)
+        out_len = out_hi - out_lo
+        min_len = tl.load(mt_ptr + row).to(tl.int64)
+        s_lo, s_hi = _span(s_off, row, s_n)
+        for s in range(s_lo, s_hi, TB):
+            t, word, bit, ok = _tile(s_ids, s, s_hi, n_cols, TB)
+            tl.store(y_row + t, tl.full([TB], float("-inf"), tl.float32), mask=ok & (t * 0 + out_len < min_len))
