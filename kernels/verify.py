@@ -150,17 +150,22 @@ class VerifyPlan:
         return self._scratch
 
     def __call__(self, draft_token_ids: torch.Tensor, target_logits: torch.Tensor, draft: torch.Tensor, *,
-                 draft_temperature=1.0, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0,
-                 step=0) -> VerifyResult:
+                 draft_temperature=1.0, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0,
+                 out: VerifyResult | None = None) -> VerifyResult:
+        """``out``, when given: contiguous tensors of the result's shapes and dtypes, written in full."""
         device, n_rows, n_draft = target_logits.device, self.n_rows, self.n_draft
-        tokens = torch.empty((n_rows, n_draft + 1), dtype=torch.int64, device=device)
-        accepted = torch.empty(n_rows, dtype=torch.int64, device=device)
-        valid = torch.empty(n_rows, dtype=torch.int8, device=device)
+        if out is None:
+            out = VerifyResult(torch.empty((n_rows, n_draft + 1), dtype=torch.int64, device=device),
+                               torch.empty(n_rows, dtype=torch.int64, device=device),
+                               torch.empty(n_rows, dtype=torch.bool, device=device))
+        tokens, accepted, valid = out.token_ids, out.num_accepted, out.valid.view(torch.int8)
         if n_rows == 0:
-            return VerifyResult(tokens, accepted, valid.view(torch.bool))
+            return out
         if self.backend == "torch":
-            return self._reference(draft_token_ids, target_logits, draft, draft_temperature, temperature, top_k,
-                                   top_p, min_p, seed, step)
+            for target, value in zip(out, self._reference(draft_token_ids, target_logits, draft, draft_temperature,
+                                                          temperature, top_k, top_p, min_p, seed, step)):
+                target.copy_(value)
+            return out
         stats_merge, gather, thresholds, draw = self.kernels
         per_row, n_cols, dev = self.per_row, self.n_cols, self.device_index
         scratch = self._scratch_for(device)
@@ -215,7 +220,7 @@ class VerifyPlan:
                   DT_TENSOR=per_row["draft_temperature"], SEED_TENSOR=per_row["seed"], STEP_TENSOR=per_row["step"],
                   IS_F64=self.is_f64, DRAFT_F64=self.draft_f64, FROM_LOGITS=self.from_logits, FILTERED=filtered,
                   CH=self.chunk, NG=self.groups, NB=triton.next_power_of_2(n_draft + 1), CB=cb), self.warps, dev)
-        return VerifyResult(tokens, accepted, valid.view(torch.bool))
+        return out
 
     def _reference(self, draft_token_ids, target_logits, draft, draft_temperature, temperature, top_k, top_p, min_p,
                    seed, step) -> VerifyResult:
