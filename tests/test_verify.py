@@ -83,6 +83,20 @@ def test_kernels_match_reference_where_the_row_decides_the_kept_set(backend):
         assert_same(got, want, config_id(kw))
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernels_match_reference_on_rows_spanning_chunks(backend):
+    # 9000 tokens are three chunks of 4096: every chunk races its part of the row, and the row's
+    # last program merges their winners (the ticket); rows that reject and rows that take the bonus.
+    device = BACKEND_DEVICES[backend]
+    ids, target, _, q = on(device, *make_inputs(torch.Generator().manual_seed(13), 3, 2, 9000, scale=1.5,
+                                                 closeness=0.5))
+    for kw in (dict(), dict(top_p=0.5)):
+        got = verify(ids, target, draft_probs=q, seed=6, step=torch.arange(3, device=device), backend=backend, **kw)
+        want = verify(ids.cpu(), target.cpu(), draft_probs=q.cpu(), seed=6, step=torch.arange(3), backend="torch",
+                      **kw)
+        assert_same(got, want, config_id(kw))
+
+
 def test_reference_distributions_follow_the_specification():
     gen = torch.Generator().manual_seed(1)
     target = torch.randn(2, 3, 12, generator=gen, dtype=torch.float64) * 2
