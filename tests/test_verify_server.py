@@ -18,7 +18,6 @@ from logitserve.client import AsyncClient, Client, regions
 from logitserve.client.messages import verify_draft_request
 from logitserve.server import ServerConfig
 from logitserve.server.testing import ServerThread
-from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 BATCH_DELAY_US = 50_000
