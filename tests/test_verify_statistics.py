@@ -28,7 +28,7 @@ from test_sample_statistics import g_test
 
 P_MIN = 1e-4
 ROWS_TORCH = 100000
-ROWS_INTERPRET = 150
+ROWS_INTERPRET = 100
 ROWS_CUDA = 200000
 CONFIGS = [dict(), dict(temperature=0.8, top_k=4), dict(top_p=0.7), dict(min_p=0.1),
            dict(top_k=6, top_p=0.8, min_p=0.02, filter_order="joint"), dict(temperature=0.0),
