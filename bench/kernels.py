@@ -18,7 +18,7 @@ import torch
 from . import harness
 from .harness import copy_bandwidth_gbs, median_us
 
-OPS = ("softmax", "causal_softmax", "topk_softmax", "activation", "sample")
+OPS = ("softmax", "causal_softmax", "topk_softmax", "activation", "sample", "verify")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ in place), :mod:`.codec` (tensors to and from Tensor messages), :mod:`.errors`.
 
 from .client import AsyncClient, Client
 from .errors import LogitServeError
-from .results import SampleResult, ServerInfo, StepResult
+from .results import SampleResult, ServerInfo, StepResult, VerifyDraftResult
 
-__all__ = ["AsyncClient", "Client", "LogitServeError", "SampleResult", "ServerInfo", "StepResult"]
+__all__ = ["AsyncClient", "Client", "LogitServeError", "SampleResult", "ServerInfo", "StepResult",
+           "VerifyDraftResult"]

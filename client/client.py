@@ -27,7 +27,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 
 from . import messages, results, wire
 from .errors import LogitServeError
-from .results import SampleResult, ServerInfo, StepResult
+from .results import SampleResult, ServerInfo, StepResult, VerifyDraftResult
 from .region_methods import RegionMethods
 from .region_table import RegionTable
 from .transport import (BACKOFF_INITIAL_S, BACKOFF_MAX_S, CLIENT_TIMEOUT, METHOD_PATHS, open_channel, parse_as,
@@ -161,6 +161,29 @@ class _Methods(RegionMethods):
                                            group_score=group_score, routed_scaling_factor=routed_scaling_factor,
                                            out=out)
         return self._send("RouteExperts", enc, msg, pb.RouteExpertsResponse, results.route_experts_result, timeout,
+                          stream)
+
+    def verify_draft(self, draft_token_ids, target_logits, *, draft_probs=None, draft_logits=None,
+                     draft_temperature=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0,
+                     filter_order="top_k_first", out=None, stream=None, timeout=CLIENT_TIMEOUT) -> VerifyDraftResult:
+        """Chain speculative sampling of ``draft_token_ids`` ``(batch_size, n)`` against
+        ``target_logits`` ``(batch_size, n + 1, vocab_size)``, as ``logitserve.kernels.verify``.
+
+        The draft's distribution: ``draft_probs`` ``(batch_size, n, vocab_size)``, or
+        ``draft_logits`` of that shape with ``draft_temperature`` (scalar or per row; unset: 1.0).
+        The target's ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``step`` and
+        ``filter_order`` are :meth:`sample`'s. ``out``: registered outputs, any of ``token_ids``
+        (int64 [B, n + 1]), ``num_accepted`` (int64 [B]), ``valid`` (bool [B]), ``seeds`` (int64 [B]).
+
+        Returns a :class:`VerifyDraftResult` (``.token_ids``: the accepted prefix, then the
+        correction or bonus token, then -1; ``.num_accepted``, ``.valid``, ``.seeds``).
+        """
+        enc = self._encoder()
+        msg = messages.build_verify_draft(enc, (), draft_token_ids, target_logits, draft_probs=draft_probs,
+                                          draft_logits=draft_logits, draft_temperature=draft_temperature,
+                                          temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                          step=step, filter_order=filter_order, out=out)
+        return self._send("VerifyDraft", enc, msg, pb.VerifyDraftResponse, results.verify_draft_result, timeout,
                           stream)
 
     def softmax(self, x, dim: int = -1, *, out=None, stream=None, timeout=CLIENT_TIMEOUT):

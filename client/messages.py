@@ -30,6 +30,7 @@ STEP_OPS = ("sample", "route_experts", "softmax", "causal_softmax", "silu", "swi
 SAMPLE_OUTPUTS = ("token_ids", "seeds", "valid")
 SAMPLE_LOGPROBS = ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")
 ROUTE_OUTPUTS = ("weights", "indices")
+VERIFY_OUTPUTS = ("token_ids", "num_accepted", "valid", "seeds")
 TENSOR_OUTPUTS = ("out",)
 
 
@@ -215,6 +216,28 @@ def build_route_experts(enc: Encoder, path: wire.Path, gate_logits, k: int, reno
     return msg
 
 
+def build_verify_draft(enc: Encoder, path: wire.Path, draft_token_ids, target_logits, *, draft_probs=None,
+                       draft_logits=None, draft_temperature=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                       seed=None, step=0, filter_order="top_k_first", out=None) -> pb.VerifyDraftRequest:
+    if filter_order not in FILTER_ORDERS:
+        raise ValueError(f"filter_order: must be one of {', '.join(FILTER_ORDERS)}, got {filter_order!r}")
+    msg = pb.VerifyDraftRequest(filter_order=FILTER_ORDERS[filter_order])
+    for name, value in (("draft_token_ids", draft_token_ids), ("target_logits", target_logits),
+                        ("draft_probs", draft_probs), ("draft_logits", draft_logits)):
+        if value is not None:
+            getattr(msg, name).CopyFrom(enc.tensor(value, (*path, name), name))
+    for name, value in (("draft_temperature", draft_temperature), ("temperature", temperature), ("top_p", top_p),
+                        ("min_p", min_p)):
+        _set_param(enc, path, msg, name, value, floating=True)
+    for name, value in (("top_k", top_k), ("seed", seed), ("step", step)):
+        _set_param(enc, path, msg, name, value, floating=False)
+    rows, positions = (tuple(msg.draft_token_ids.shape) + (0, 0))[:2]
+    enc.outputs_into(msg, path, out, {"token_ids": (pb.DTYPE_INT64, (rows, positions + 1)),
+                                      "num_accepted": (pb.DTYPE_INT64, (rows,)), "valid": (pb.DTYPE_BOOL, (rows,)),
+                                      "seeds": (pb.DTYPE_INT64, (rows,))})
+    return msg
+
+
 def _like(tensor: pb.Tensor, shape=None) -> dict:
     return {"out": (tensor.dtype, tuple(tensor.shape) if shape is None else tuple(shape))}
 
@@ -288,6 +311,11 @@ def sample_request(logits, **kwargs) -> pb.SampleRequest:
 def route_experts_request(gate_logits, k: int, renormalize: bool = False, **router) -> pb.RouteExpertsRequest:
     """A complete RouteExpertsRequest; ``router``: the router keywords of ``Client.route_experts``."""
     return _complete(build_route_experts, gate_logits, k, renormalize, **router)
+
+
+def verify_draft_request(draft_token_ids, target_logits, **kwargs) -> pb.VerifyDraftRequest:
+    """A complete VerifyDraftRequest (arguments as ``Client.verify_draft``'s, without ``out``)."""
+    return _complete(build_verify_draft, draft_token_ids, target_logits, **kwargs)
 
 
 def softmax_request(x, dim: int = -1) -> pb.SoftmaxRequest:

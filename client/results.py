@@ -16,7 +16,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 from . import wire
 from .codec import decode, dtype_name
 from .errors import LogitServeError
-from .messages import ROUTE_OUTPUTS, SAMPLE_LOGPROBS, SAMPLE_OUTPUTS
+from .messages import ROUTE_OUTPUTS, SAMPLE_LOGPROBS, SAMPLE_OUTPUTS, VERIFY_OUTPUTS
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,18 @@ class SampleResult:
     # With return_kept: int32 [B, ceil(V / 32)], bit t % 32 of word t // 32 set where token t
     # survived the filters.
     kept_bitmask: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class VerifyDraftResult:
+    """VerifyDraft's answer, per row: the accepted draft tokens, then the correction (or bonus)
+    token, then -1 (all -1 where the row is not valid); how many draft tokens were accepted; whether
+    the row was verified; the seed used (give it back as ``seed=`` to replay the row)."""
+
+    token_ids: np.ndarray  # int64 [B, n + 1]
+    num_accepted: np.ndarray  # int64 [B]
+    valid: np.ndarray  # bool [B]
+    seeds: np.ndarray  # int64 [B]
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,11 @@ def sample_result(msg: pb.SampleResponse, views: Views = _NONE, outputs=_NONE, p
 def route_experts_result(msg: pb.RouteExpertsResponse, views: Views = _NONE, outputs=_NONE,
                          path: wire.Path = ()) -> tuple[np.ndarray, np.ndarray]:
     return tuple(_tensor(getattr(msg, name), (*path, name), views, outputs) for name in ROUTE_OUTPUTS)
+
+
+def verify_draft_result(msg: pb.VerifyDraftResponse, views: Views = _NONE, outputs=_NONE,
+                        path: wire.Path = ()) -> VerifyDraftResult:
+    return VerifyDraftResult(*(_tensor(getattr(msg, name), (*path, name), views, outputs) for name in VERIFY_OUTPUTS))
 
 
 def tensor_result(msg, views: Views = _NONE, outputs=_NONE, path: wire.Path = ()) -> np.ndarray:

@@ -16,6 +16,7 @@ from .sampling.plan import SamplePlan
 from .route_experts import RouteExpertsPlan, route_experts
 from .softmax import SoftmaxPlan, softmax
 from .topk_softmax import TopkSoftmaxPlan, topk_softmax
+from .verify import VerifyPlan, VerifyResult, verify
 
 __all__ = [
     "BACKENDS",
@@ -28,6 +29,8 @@ __all__ = [
     "SwigluPlan",
     "TensorSpec",
     "TopkSoftmaxPlan",
+    "VerifyPlan",
+    "VerifyResult",
     "causal_softmax",
     "clear_plan_caches",
     "copy_by_kernel",
@@ -39,4 +42,5 @@ __all__ = [
     "softmax",
     "swiglu",
     "topk_softmax",
+    "verify",
 ]

@@ -35,6 +35,7 @@ _TENSORS = {
     pb.SoftmaxRequest: ("x",),
     pb.CausalSoftmaxRequest: ("x",),
     pb.SiluRequest: ("x", "up"),
+    pb.VerifyDraftRequest: ("draft_token_ids", "draft_probs", "draft_logits", "target_logits"),
 }
 
 
@@ -127,6 +128,9 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
 
     async def Silu(self, request: Received, context):
         return await self._run(ops.SiluCall, request, context)
+
+    async def VerifyDraft(self, request: Received, context):
+        return await self._run(ops.VerifyDraftCall, request, context)
 
     async def _step(self, request: Received, context, held=None) -> pb.StepResponse:
         """One step's answer; its bytes are held (server/held.py) until the RPC ends, or, with

@@ -206,6 +206,41 @@ def silu_requests(draw, legal: bool | None = None) -> pb.SiluRequest:
 
 
 @st.composite
+def verify_requests(draw, legal: bool | None = None) -> pb.VerifyDraftRequest:
+    legal = draw(st.booleans()) if legal is None else legal
+    fields = ("draft_token_ids", "target_logits", "draft", "temperature", "top_p", "min_p", "top_k", "seed", "step",
+              "draft_temperature", "filter_order")
+    wild = set() if legal else draw(st.sets(st.sampled_from(fields), min_size=1, max_size=2))
+    rows, n, vocab = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 7, 64, 1000]))
+    ids = np.array(draw(st.lists(st.integers(0, vocab - 1), min_size=rows * n, max_size=rows * n)), dtype=np.int64)
+    if "draft_token_ids" in wild and draw(st.booleans()):
+        ids[draw(st.integers(0, rows * n - 1))] = draw(st.sampled_from([-1, vocab, 2**40, -(2**63)]))
+    wire = draw(st.sampled_from([pb.DTYPE_INT32, pb.DTYPE_INT64]))
+    msg = pb.VerifyDraftRequest(draft_token_ids=pb.Tensor(dtype=wire, shape=[rows, n], data=ids.astype(
+        "<i4" if wire == pb.DTYPE_INT32 else "<i8").tobytes()))
+    if "draft_token_ids" in wild and draw(st.booleans()):
+        msg.draft_token_ids.CopyFrom(draw(tensors()))
+    for name, shape in (("target_logits", [rows, n + 1, vocab]), ("draft", [rows, n, vocab])):
+        tensor = draw(st.one_of(good_tensors(shape), tensors()) if name in wild else good_tensors(shape))
+        field = name if name != "draft" else draw(st.sampled_from(["draft_probs", "draft_logits"]))
+        getattr(msg, field).CopyFrom(tensor)
+    for name in ("temperature", "top_p", "min_p", "top_k", "seed", "step", "draft_temperature"):
+        if name == "draft_temperature" and not msg.HasField("draft_logits") and name not in wild:
+            continue
+        choice = draw(st.sampled_from(["scalar", "rows"] if name in wild else ["unset", "scalar", "rows"]))
+        legal_values = LEGAL["temperature" if name == "draft_temperature" else name]
+        if choice == "scalar":
+            floating = name in FLOAT_PARAMS or name == "draft_temperature"
+            setattr(msg, name, draw((doubles if floating else int64s) if name in wild else legal_values))
+        elif choice == "rows":
+            rows_of = per_row(rows, "temperature" if name == "draft_temperature" else name, name not in wild)
+            getattr(msg, f"{name}_rows").CopyFrom(draw(rows_of))
+    msg.filter_order = draw(st.one_of(st.sampled_from([0, 1, 2]), st.integers(-(2**31), 2**31 - 1))
+                            if "filter_order" in wild else st.sampled_from([0, 1, 2]))
+    return msg
+
+
+@st.composite
 def step_requests(draw) -> pb.StepRequest:
     legal = draw(st.booleans())
     msg = pb.StepRequest(id=draw(st.text(max_size=20)))
@@ -220,5 +255,5 @@ def step_requests(draw) -> pb.StepRequest:
 REQUEST_STRATEGIES = {
     "Sample": sample_requests(), "RouteExperts": route_requests(), "Softmax": softmax_requests(),
     "CausalSoftmax": causal_requests(), "Silu": silu_requests(), "Step": step_requests(),
-    "GetServerInfo": st.just(pb.GetServerInfoRequest()),
+    "GetServerInfo": st.just(pb.GetServerInfoRequest()), "VerifyDraft": verify_requests(),
 }

@@ -27,8 +27,9 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.utils.shared_memory as shm  # noqa: E402
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype, triton_to_np_dtype  # noqa: E402
 
-MODELS = ("sample", "route_experts", "softmax", "causal_softmax", "silu", "swiglu")
-PARAMS = {"sample": {"seed": 1234, "temperature": 0.7, "top_k": 50, "top_p": 0.9}, "route_experts": {"k": 2}}
+MODELS = ("sample", "route_experts", "softmax", "causal_softmax", "silu", "swiglu", "verify_draft")
+PARAMS = {"sample": {"seed": 1234, "temperature": 0.7, "top_k": 50, "top_p": 0.9}, "route_experts": {"k": 2},
+          "verify_draft": {"seed": 99, "top_k": 5}}
 
 
 def inputs_of(data, model):
@@ -227,6 +228,10 @@ def errors(client, data, got, report):
     short.set_shape([logits.shape[0], logits.shape[1] + 1])
     attempt("shape_and_data_disagree", "sample", [short])
     attempt("bad_parameter", "sample", inputs_of(data, "sample"), {"top_p": 1.5})
+    ids = grpcclient.InferInput("DRAFT_TOKEN_IDS", [3, 2], "INT64")
+    ids.set_data_from_numpy(np.array([[0, 1], [16, 2], [3, 4]], dtype=np.int64))
+    attempt("draft_id_outside", "verify_draft",
+            [ids, *(t for t in inputs_of(data, "verify_draft") if t.name() != "DRAFT_TOKEN_IDS")])
     report["errors"] = cases
 
 

@@ -35,6 +35,8 @@ REQUESTS = {
     "Softmax": messages.softmax_request(X),
     "CausalSoftmax": messages.causal_softmax_request(X),
     "Silu": messages.silu_request(X),
+    "VerifyDraft": messages.verify_draft_request(np.array([[0, 2]]), np.zeros((1, 3, 3), np.float32),
+                                                 draft_probs=np.full((1, 2, 3), 1 / 3, np.float32)),
     "Step": messages.step_request("s", softmax={"x": X}),
     "StreamSteps": messages.step_request("s", softmax={"x": X}),
     "GetServerInfo": pb.GetServerInfoRequest(),

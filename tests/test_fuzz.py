@@ -50,7 +50,7 @@ TIMEOUT_S = 30.0
 SCALE = float(os.environ.get("FUZZ_EXAMPLES", "1.0"))
 RESPONSES = {"Sample": pb.SampleResponse, "RouteExperts": pb.RouteExpertsResponse, "Softmax": pb.SoftmaxResponse,
              "CausalSoftmax": pb.CausalSoftmaxResponse, "Silu": pb.SiluResponse, "Step": pb.StepResponse,
-             "GetServerInfo": pb.GetServerInfoResponse}
+             "GetServerInfo": pb.GetServerInfoResponse, "VerifyDraft": pb.VerifyDraftResponse}
 METHODS = sorted([*RESPONSES, "StreamSteps"])
 
 TALLY: collections.Counter = collections.Counter()
@@ -190,8 +190,31 @@ def _check_answer(rpc: str, request, raw) -> None:
         else:
             want = kernels.silu(x, backend="torch")
         _same(_decode(reply.out), want, rpc)
+    elif rpc == "VerifyDraft":
+        _check_verify(request, reply)
     elif rpc == "GetServerInfo":
         assert reply.limits.max_rows == MAX_ROWS and reply.backend == "torch"
+
+
+def _check_verify(request, reply) -> None:
+    """The accepted prefix is the draft's, then one token in the vocabulary, then -1; invalid rows
+    (a target position with a NaN or no finite logit; from logits, such a draft position) all -1."""
+    ids, target = _decode(request.draft_token_ids), _decode(request.target_logits).double()
+    tokens, accepted, valid = _decode(reply.token_ids), _decode(reply.num_accepted), _decode(reply.valid)
+    rows, n = ids.shape
+    assert tokens.shape == (rows, n + 1) and tokens.dtype == torch.int64 and accepted.shape == valid.shape == (rows,)
+    bad = (torch.isnan(target) | ~torch.isfinite(target).any(-1, keepdim=True)).flatten(1).any(1)
+    if request.HasField("draft_logits"):
+        draft = _decode(request.draft_logits).double()
+        bad |= (torch.isnan(draft) | ~torch.isfinite(draft).any(-1, keepdim=True)).flatten(1).any(1)
+    assert torch.equal(valid, ~bad), f"valid {valid.tolist()} for rows with NaN / no finite logit {bad.tolist()}"
+    for b in range(rows):
+        a = int(accepted[b])
+        if not valid[b]:
+            assert a == 0 and bool((tokens[b] == -1).all())
+            continue
+        assert 0 <= a <= n and torch.equal(tokens[b, :a], ids[b, :a].long()), (a, tokens[b].tolist())
+        assert 0 <= int(tokens[b, a]) < target.shape[2] and bool((tokens[b, a + 1:] == -1).all())
 
 
 # ---------------------------------------------------------------------------------- the tests

@@ -42,6 +42,7 @@ STAMP = VENV / ".logitserve-stamp"
 SCRIPT = ROOT / "tests/kserve_tritonclient.py"
 TOKEN = "kserve-test-token"
 SAMPLE = {"seed": 1234, "temperature": 0.7, "top_k": 50, "top_p": 0.9}  # as the script's PARAMS
+VERIFY = {"seed": 99, "top_k": 5}
 
 
 def child_env(pythonpath: str | None = None) -> dict:
@@ -111,6 +112,9 @@ def data(tmp_path_factory) -> tuple[pathlib.Path, dict]:
         "silu.X": rng.standard_normal((3, 33)).astype(np.float32),
         "swiglu.GATE": rng.standard_normal((3, 33)).astype(np.float32),
         "swiglu.UP": rng.standard_normal((3, 33)).astype(np.float32),
+        "verify_draft.DRAFT_TOKEN_IDS": rng.integers(0, 16, (3, 2)).astype(np.int64),
+        "verify_draft.DRAFT_PROBS": rng.dirichlet(np.ones(16), (3, 2)).astype(np.float32),
+        "verify_draft.TARGET_LOGITS": rng.standard_normal((3, 3, 16)).astype(np.float32),
     }
     path = tmp_path_factory.mktemp("kserve") / "in.npz"
     np.savez(path, **arrays)
@@ -132,7 +136,11 @@ def v1_answers(target: str, arrays: dict) -> dict:
     with Client(target) as c:
         s = c.sample(arrays["sample.LOGITS"], **SAMPLE)
         weights, indices = c.route_experts(arrays["route_experts.GATE_LOGITS"], k=2)
+        v = c.verify_draft(arrays["verify_draft.DRAFT_TOKEN_IDS"], arrays["verify_draft.TARGET_LOGITS"],
+                           draft_probs=arrays["verify_draft.DRAFT_PROBS"], **VERIFY)
         return {
+            "verify_draft.OUTPUT_TOKEN_IDS": v.token_ids, "verify_draft.NUM_ACCEPTED": v.num_accepted,
+            "verify_draft.VALID": v.valid, "verify_draft.SEEDS": v.seeds,
             "sample.TOKEN_IDS": s.token_ids, "sample.SEEDS": s.seeds, "sample.VALID": s.valid,
             "route_experts.WEIGHTS": weights, "route_experts.INDICES": indices,
             "softmax.OUT": c.softmax(arrays["softmax.X"]),
@@ -153,6 +161,8 @@ def test_every_model_through_infer_equals_logitserve_v1(triton_python, server, d
     assert report["sample"]["id"] == "id-sample"
     assert report["sample"]["outputs"] == [["TOKEN_IDS", "INT64", [4]], ["SEEDS", "INT64", [4]], ["VALID", "BOOL", [4]]]
     assert report["route_experts"]["outputs"] == [["WEIGHTS", "FP32", [5, 2]], ["INDICES", "INT32", [5, 2]]]
+    assert report["verify_draft"]["outputs"] == [["OUTPUT_TOKEN_IDS", "INT64", [3, 3]], ["NUM_ACCEPTED", "INT64", [3]],
+                                                 ["VALID", "BOOL", [3]], ["SEEDS", "INT64", [3]]]
 
 
 def test_a_bad_request_mid_stream_answers_alone(triton_python, server, data, tmp_path):
@@ -266,6 +276,9 @@ def test_bad_input_gets_the_same_checks_and_clear_messages(triton_python, server
                                                 "LOGITS: 16000 bytes, but shape [4, 1001] of FP32 needs 16016"]
     assert cases["bad_parameter"] == ["StatusCode.INVALID_ARGUMENT",
                                       "parameters[top_p]: must be in (0, 1], got 1.5"]
+    assert cases["draft_id_outside"] == ["StatusCode.INVALID_ARGUMENT",
+                                         "DRAFT_TOKEN_IDS[1, 0]: must be in [0, V) with V = 16 (TARGET_LOGITS "
+                                         "shape[2]), got 16"]
 
 
 def test_bearer_token_auth(triton_python, data, tmp_path):

@@ -160,7 +160,8 @@ def test_message_helpers_for_the_request_path():
     with pytest.raises(ValueError, match=r"^output_regions\[out\].region: required"):
         regions.check_outputs(pb.SoftmaxRequest(output_regions={"out": pb.RegionRef()}).output_regions, "Softmax")
     for name, request in (("RouteExperts", pb.RouteExpertsRequest), ("Softmax", pb.SoftmaxRequest),
-                          ("CausalSoftmax", pb.CausalSoftmaxRequest), ("Silu", pb.SiluRequest)):
+                          ("CausalSoftmax", pb.CausalSoftmaxRequest), ("Silu", pb.SiluRequest),
+                          ("VerifyDraft", pb.VerifyDraftRequest)):
         response = getattr(pb, f"{name}Response")
         assert set(regions.OUTPUTS[name]) <= set(response.DESCRIPTOR.fields_by_name)
         assert "output_regions" in request.DESCRIPTOR.fields_by_name

@@ -77,3 +77,23 @@ def test_route_experts_softmax_and_activations(client):
     up = seeded_logits(3, 4099, torch.float32, seed=6)
     np.testing.assert_array_equal(client.silu(x), kernels.silu(x.to(DEVICE)).cpu().numpy())
     np.testing.assert_array_equal(client.swiglu(x, up), kernels.swiglu(x.to(DEVICE), up.to(DEVICE)).cpu().numpy())
+
+
+@pytest.mark.parametrize("from_logits", [False, True], ids=["draft probs", "draft logits"])
+def test_verify_draft_equals_the_kernel(client, from_logits):
+    target = seeded_logits(4 * 5, 128256, torch.bfloat16, seed=7).reshape(4, 5, 128256)
+    draft_logits = seeded_logits(4 * 4, 128256, torch.float32, seed=8).reshape(4, 4, 128256) + \
+        target[:, :4].float()
+    q = torch.softmax(draft_logits, -1)
+    ids = torch.multinomial(q.reshape(-1, 128256), 1, generator=torch.Generator().manual_seed(9)).reshape(4, 4)
+    rows = dict(temperature=[0.7, 1.0, 0.0, 1.3], top_k=[0, 50, 0, 20], top_p=[0.9, 1.0, 1.0, 0.5],
+                min_p=[0.0, 0.05, 0.0, 0.0], seed=[11, 12, 13, 14], step=[0, 3, 1, 7])
+    draft = dict(draft_logits=draft_logits, draft_temperature=0.9) if from_logits else dict(draft_probs=q)
+    got = client.verify_draft(ids, target, **draft, **rows)
+    on_device = {k: torch.tensor(v, device=DEVICE) for k, v in rows.items()}
+    want = kernels.verify(ids.to(DEVICE), target.to(DEVICE), **{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+                                                                  for k, v in draft.items()},
+                          backend="triton", **on_device)
+    np.testing.assert_array_equal(got.token_ids, want.token_ids.cpu().numpy())
+    np.testing.assert_array_equal(got.num_accepted, want.num_accepted.cpu().numpy())
+    assert got.valid.all()

@@ -49,6 +49,9 @@ OPERATOR_REQUESTS = {
     "Softmax": pb.SoftmaxRequest(x=tensor(), dim=0),
     "CausalSoftmax": pb.CausalSoftmaxRequest(x=tensor()),
     "Silu": pb.SiluRequest(x=tensor(), up=tensor(data=bytes(range(100, 112)))),
+    "VerifyDraft": pb.VerifyDraftRequest(draft_token_ids=tensor(pb.DTYPE_INT32, (1, 3)), draft_probs=tensor(),
+                                         draft_logits=tensor(data=bytes(range(50, 62))), target_logits=tensor(),
+                                         top_p=0.9),
 }
 STEP = pb.StepRequest(id="s1", sample=OPERATOR_REQUESTS["Sample"], route_experts=OPERATOR_REQUESTS["RouteExperts"],
                       softmax=OPERATOR_REQUESTS["Softmax"], causal_softmax=OPERATOR_REQUESTS["CausalSoftmax"],

@@ -12,13 +12,13 @@ import secrets
 
 import torch
 
-from .._plan import TensorSpec
+from .._plan import FLOAT_DTYPES, TensorSpec
 from .params import (FREQUENCY_PENALTY, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, RANDOM_VAL, REPETITION_PENALTY, SEED,
                      SEED_BITS, SEED_RANGE, STEP, STEP_RANGE, TEMPERATURE, TOP_K, TOP_P, SamplingParam)
 from ..reference import sample as reference
 from .logprobs import Logprobs, check_logprobs, pack_bits
 from .logprobs import logprobs as _logprobs
-from .plan import PARAM_DTYPES, SamplePlan, _cached_plan
+from .plan import INT_DTYPES, SamplePlan, _cached_plan
 from .processors import Processors, process_logits
 
 __all__ = ["Logprobs", "SamplePlan", "sample"]
@@ -38,7 +38,7 @@ def _check_param(param: SamplingParam, value, n_rows: int) -> None:
     name, integer, rule = param.name, param.kind is int, _rule(param)
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu" and value.ndim == 1 and value.shape[0] == n_rows and value.dtype in \
-                PARAM_DTYPES[name]:
+                (FLOAT_DTYPES if param.kind is float else INT_DTYPES):
             bad = (~param.ok(value if integer else value.to(torch.float32))).nonzero()
             if bad.numel():
                 row = bad[0, 0].item()

@@ -76,16 +76,22 @@ def uniform_bits(idx, k0, k1):
 
 
 @triton.jit
+def uniform(bits):
+    """The uniform ``u = (b + 0.5) * 2**-23`` in (0, 1), float32, of hash bits' top 23 ``b``."""
+    # Without an int-to-float conversion: the 23 bits as the mantissa of a float in [1, 2),
+    # minus 1, plus half a step. Both operations are exact.
+    return ((bits >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0 + 5.9604644775390625e-08
+
+
+@triton.jit
 def gumbel(bits):
     """Base-2 Gumbel draws ``-log2(E)`` (float32) from hash bits, with ``E = -log2(u)``.
 
     ``E`` is an exponential draw (``Exp(1) / ln 2``), so ``argmax_i log2(p_i) + gumbel_i`` picks
     ``argmax_i p_i / E_i``: the exponential race, in logs (no exp, no division per token).
     """
-    # u and v = 1 - u without an int-to-float conversion: the 23 bits as the mantissa of a
-    # float in [1, 2), minus 1, plus half a step. Both subtractions are exact.
-    u = ((bits >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0 + 5.9604644775390625e-08
-    v = 1.0 - u
+    u = uniform(bits)
+    v = 1.0 - u  # exact
     # -log2(1 - v) = (v + v^2/2 + v^3/3 + v^4/4 + ...) / ln 2; for v < 2**-6 the v^5/5 term is under 2**-31 v.
     series = v * (1.0 + v * (0.5 + v * (0.3333333432674408 + v * 0.25))) * 1.4426950408889634
     return -tl.log2(tl.where(v < 0.015625, series, -tl.log2(u)))

@@ -18,7 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from logitserve.kernels.sampling.params import SAMPLING_PARAMS
+from logitserve.kernels.sampling.params import RANDOM_VAL, SAMPLING_PARAMS
+from logitserve.kernels.verify import DRAFT_TEMPERATURE
 from logitserve.kserve import grpc_service_pb2 as kpb
 from logitserve.v1 import logitserve_pb2 as pb
 
@@ -120,16 +121,37 @@ def _same_bytes(sizes, scalars) -> dict[str, int]:
     return {"out": itemsize * math.prod(shape)}
 
 
-_SAMPLE_INPUTS = tuple(
-    Port(p.name.upper(), p.rows_field, "FP32" if p.kind is float else "INT64", (-1,),
-         ("FP32", "FP64") if p.kind is float else ("INT32", "INT64"), optional=True)
-    for p in SAMPLING_PARAMS.values())
-_SAMPLE_PARAMS = tuple(Param(p.name, p.kind, f"{p.name} of every row (default {'unset' if p.default is None else p.default}): "
-                                 f"{p.rule}")
-                       for p in SAMPLING_PARAMS.values()) + (
-    Param("filter_order", str, "top_k_first (default) or joint",
-          values={name: value for value, name in ops.WIRE_FILTER_ORDERS.items() if value}),)
 
+def _verify_bytes(sizes, scalars) -> dict[str, int]:
+    rows, n = sizes["draft_token_ids"][1]
+    return {"token_ids": 8 * rows * (n + 1), "num_accepted": 8 * rows, "valid": rows, "seeds": 8 * rows}
+
+
+def _param_port(p) -> Port:
+    return Port(p.name.upper(), p.rows_field, "FP32" if p.kind is float else "INT64", (-1,),
+                ("FP32", "FP64") if p.kind is float else ("INT32", "INT64"), optional=True)
+
+
+def _param(p) -> Param:
+    return Param(p.name, p.kind, f"{p.name} of every row (default {'unset' if p.default is None else p.default}): "
+                                 f"{p.rule}")
+
+
+_FILTER_ORDER = Param("filter_order", str, "top_k_first (default) or joint",
+                      values={name: value for value, name in ops.WIRE_FILTER_ORDERS.items() if value})
+# The target's sampling parameters of verify_draft: Sample's, but random_val.
+_VERIFY_PARAMS = tuple(p for p in SAMPLING_PARAMS.values() if p is not RANDOM_VAL) + (DRAFT_TEMPERATURE,)
+_DRAFT = (-1, -1, -1)
+_VERIFY_INPUTS = (Port("DRAFT_TOKEN_IDS", "draft_token_ids", "INT64", (-1, -1), ("INT32", "INT64")),
+                  Port("DRAFT_PROBS", "draft_probs", "FP32", _DRAFT, FLOAT_TYPES, optional=True),
+                  Port("DRAFT_LOGITS", "draft_logits", "FP32", _DRAFT, FLOAT_TYPES, optional=True),
+                  Port("TARGET_LOGITS", "target_logits", "FP32", _DRAFT, FLOAT_TYPES),
+                  *(_param_port(p) for p in _VERIFY_PARAMS))
+_VERIFY_OUTPUTS = (Port("OUTPUT_TOKEN_IDS", "token_ids", "INT64", (-1, -1)),
+                   Port("NUM_ACCEPTED", "num_accepted", "INT64", (-1,)), Port("VALID", "valid", "BOOL", (-1,)),
+                   Port("SEEDS", "seeds", "INT64", (-1,)))
+_SAMPLE_INPUTS = tuple(_param_port(p) for p in SAMPLING_PARAMS.values())
+_SAMPLE_PARAMS = tuple(_param(p) for p in SAMPLING_PARAMS.values()) + (_FILTER_ORDER,)
 _X = Port("X", "x", "FP32", (-1, -1), FLOAT_TYPES)
 _OUT = Port("OUT", "out", "FP32", (-1, -1))
 
@@ -153,4 +175,8 @@ MODELS: dict[str, Model] = {m.name: m for m in (
     Model("swiglu", "Silu", pb.SiluRequest, ops.SiluCall,
           (Port("GATE", "x", "FP32", (-1, -1), FLOAT_TYPES), Port("UP", "up", "FP32", (-1, -1), FLOAT_TYPES)),
           (_OUT,), (), "silu(GATE) * UP", _same_bytes),
+    Model("verify_draft", "VerifyDraft", pb.VerifyDraftRequest, ops.VerifyDraftCall, _VERIFY_INPUTS,
+          _VERIFY_OUTPUTS, tuple(_param(p) for p in _VERIFY_PARAMS) + (_FILTER_ORDER,),
+          "chain speculative sampling of DRAFT_TOKEN_IDS [B, n] against TARGET_LOGITS [B, n + 1, V], with "
+          "DRAFT_PROBS or DRAFT_LOGITS [B, n, V]", _verify_bytes),
 )}

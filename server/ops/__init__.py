@@ -11,7 +11,7 @@ thread. How a launch waits for the device is not theirs to say: the batcher says
 Protobuf stops here: the kernels only see torch tensors.
 
 Modules, one concept each: limits (request size limits), sample, route_experts, tensor_ops
-(softmax, causal softmax, SiLU / SwiGLU), step (several ops in one request), warmup (the
+(softmax, causal softmax, SiLU / SwiGLU), verify_draft (chain speculative sampling), step (several ops in one request), warmup (the
 calls that compile every kernel before SERVING), info (GetServerInfo), batching (what the
 launches share), resident (calls whose tensors live in shared-memory regions: inputs read in
 place, outputs written there, how batches of them launch).
@@ -23,6 +23,7 @@ from .route_experts import ROUTE_DTYPES, RouteExpertsCall, RouteExpertsResult
 from .sample import WIRE_FILTER_ORDERS, SampleCall, SampleResult
 from .step import STEP_OPS, StepCall, StepResult
 from .tensor_ops import CausalSoftmaxCall, SiluCall, SoftmaxCall, TensorResult
+from .verify_draft import VerifyDraftCall, VerifyDraftResult
 from .warmup import WARMUP_BATCH_ROWS, warmup_calls
 
 __all__ = [
@@ -43,5 +44,7 @@ __all__ = [
     "StepCall",
     "StepResult",
     "TensorResult",
+    "VerifyDraftCall",
+    "VerifyDraftResult",
     "warmup_calls",
 ]

@@ -31,6 +31,7 @@ OUTPUTS = {
     "Softmax": ("out",),
     "CausalSoftmax": ("out",),
     "Silu": ("out",),
+    "VerifyDraft": ("token_ids", "num_accepted", "valid", "seeds"),
 }
 
 

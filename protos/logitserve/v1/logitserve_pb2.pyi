@@ -299,6 +299,69 @@ class SiluResponse(_message.Message):
     out: Tensor
     def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class VerifyDraftRequest(_message.Message):
+    __slots__ = ("draft_token_ids", "draft_probs", "draft_logits", "draft_temperature", "draft_temperature_rows", "target_logits", "temperature", "temperature_rows", "top_k", "top_k_rows", "top_p", "top_p_rows", "min_p", "min_p_rows", "seed", "seed_rows", "step", "step_rows", "filter_order", "output_regions")
+    class OutputRegionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: RegionRef
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RegionRef, _Mapping]] = ...) -> None: ...
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TEMPERATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FILTER_ORDER_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    draft_token_ids: Tensor
+    draft_probs: Tensor
+    draft_logits: Tensor
+    draft_temperature: float
+    draft_temperature_rows: Tensor
+    target_logits: Tensor
+    temperature: float
+    temperature_rows: Tensor
+    top_k: int
+    top_k_rows: Tensor
+    top_p: float
+    top_p_rows: Tensor
+    min_p: float
+    min_p_rows: Tensor
+    seed: int
+    seed_rows: Tensor
+    step: int
+    step_rows: Tensor
+    filter_order: FilterOrder
+    output_regions: _containers.MessageMap[str, RegionRef]
+    def __init__(self, draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., draft_logits: _Optional[_Union[Tensor, _Mapping]] = ..., draft_temperature: _Optional[float] = ..., draft_temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., target_logits: _Optional[_Union[Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_k: _Optional[int] = ..., top_k_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_p: _Optional[float] = ..., top_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., min_p: _Optional[float] = ..., min_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., seed_rows: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ..., step_rows: _Optional[_Union[Tensor, _Mapping]] = ..., filter_order: _Optional[_Union[FilterOrder, str]] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ...) -> None: ...
+
+class VerifyDraftResponse(_message.Message):
+    __slots__ = ("token_ids", "num_accepted", "valid", "seeds")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: Tensor
+    num_accepted: Tensor
+    valid: Tensor
+    seeds: Tensor
+    def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., num_accepted: _Optional[_Union[Tensor, _Mapping]] = ..., valid: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
 class StepRequest(_message.Message):
     __slots__ = ("id", "sample", "route_experts", "softmax", "causal_softmax", "silu")
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -66,6 +66,11 @@ class LogitServeStub:
                 request_serializer=logitserve_dot_v1_dot_logitserve__pb2.SiluRequest.SerializeToString,
                 response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.SiluResponse.FromString,
                 _registered_method=True)
+        self.VerifyDraft = channel.unary_unary(
+                '/logitserve.v1.LogitServe/VerifyDraft',
+                request_serializer=logitserve_dot_v1_dot_logitserve__pb2.VerifyDraftRequest.SerializeToString,
+                response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.VerifyDraftResponse.FromString,
+                _registered_method=True)
         self.Step = channel.unary_unary(
                 '/logitserve.v1.LogitServe/Step',
                 request_serializer=logitserve_dot_v1_dot_logitserve__pb2.StepRequest.SerializeToString,
@@ -128,8 +133,16 @@ class LogitServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyDraft(self, request, context):
+        """Chain speculative sampling: which draft tokens the target model accepts, and the next token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Step(self, request, context):
-        """Any subset of the operators above for one decoding step, in one round trip.
+        """Any subset of Sample, RouteExperts, Softmax, CausalSoftmax and Silu for one decoding step,
+        in one round trip.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -176,6 +189,11 @@ def add_LogitServeServicer_to_server(servicer, server):
                     servicer.Silu,
                     request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.SiluRequest.FromString,
                     response_serializer=logitserve_dot_v1_dot_logitserve__pb2.SiluResponse.SerializeToString,
+            ),
+            'VerifyDraft': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyDraft,
+                    request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.VerifyDraftRequest.FromString,
+                    response_serializer=logitserve_dot_v1_dot_logitserve__pb2.VerifyDraftResponse.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
@@ -335,6 +353,33 @@ class LogitServe:
             '/logitserve.v1.LogitServe/Silu',
             logitserve_dot_v1_dot_logitserve__pb2.SiluRequest.SerializeToString,
             logitserve_dot_v1_dot_logitserve__pb2.SiluResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyDraft(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logitserve.v1.LogitServe/VerifyDraft',
+            logitserve_dot_v1_dot_logitserve__pb2.VerifyDraftRequest.SerializeToString,
+            logitserve_dot_v1_dot_logitserve__pb2.VerifyDraftResponse.FromString,
             options,
             channel_credentials,
             insecure,

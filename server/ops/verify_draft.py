@@ -1,0 +1,183 @@
+"""VerifyDraft: ``kernels.verify`` (chain speculative sampling) on draft tokens, the draft's distribution
+and the target's logits, with the target's sampling parameters scalar or per row.
+
+The parameters are Sample's, checked by the same rules (``kernels/sampling/params.py``, through
+``sample._param``); the draft temperature keeps the temperature's rule. Batches launch eagerly
+on the device's launch thread (no CUDA graph): the launch reads ``B (n + 1)`` rows of the
+vocabulary, whose time dwarfs a launch's host cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from logitserve import kernels
+from logitserve.kernels.sampling.params import MIN_P, SEED, STEP, TEMPERATURE, TOP_K, TOP_P
+from logitserve.kernels.verify import DRAFT_TEMPERATURE
+from logitserve.v1 import logitserve_pb2 as pb
+
+from ..staging import to_host
+from ..tensors import FLOATS, INTS, NOT_IN_PLACE, HostTensor, from_array, tensor_field
+from .batching import split
+from .limits import Limits, answer_bytes
+from .resident import Outputs, device_inputs, launches_together
+from .sample import WIRE_FILTER_ORDERS, _draw_seeds, _param, _param_rows
+
+# The packed per-row columns, as the launch passes them to kernels.verify: float32, then int64.
+FLOAT_COLUMNS = (TEMPERATURE.name, TOP_P.name, MIN_P.name, DRAFT_TEMPERATURE.name)
+INT_COLUMNS = (TOP_K.name, SEED.name, STEP.name)
+DRAFT_FIELDS = ("draft_probs", "draft_logits")
+OUTPUT_NAMES = ("token_ids", "num_accepted", "valid", "seeds")
+
+
+def _shapes(rows: int, n: int) -> dict:
+    return {"token_ids": (torch.int64, (rows, n + 1)), "num_accepted": (torch.int64, (rows,)),
+            "valid": (torch.bool, (rows,)), "seeds": (torch.int64, (rows,))}
+
+
+def _check_ids(ids, vocab: int, name: str) -> None:
+    """Every draft token in [0, V): the kernels would answer an outside one with an invalid row."""
+    values = np.asarray(ids.tolist(), dtype=np.int64).reshape(ids.shape)
+    bad = np.argwhere((values < 0) | (values >= vocab))
+    if len(bad):
+        row, col = bad[0].tolist()
+        raise ValueError(f"{name}[{row}, {col}]: must be in [0, V) with V = {vocab} (target_logits.shape[2]), "
+                         f"got {values[row, col]}")
+
+
+@dataclass(eq=False)
+class VerifyDraftCall:
+    """``kernels.verify`` on ``draft_token_ids [B, n]``, the draft ``[B, n, V]`` and ``target_logits [B, n + 1, V]``."""
+
+    draft_token_ids: HostTensor
+    draft: HostTensor
+    from_logits: bool
+    target_logits: HostTensor
+    values: dict  # each parameter of FLOAT_COLUMNS and INT_COLUMNS: a scalar or one value per row
+    filter_order: str
+    outputs: Outputs | None = None
+    regions: object = None
+    answer_size: int = 0  # the answer's message size (limits.answer_bytes)
+
+    op = "verify_draft"
+
+    @classmethod
+    def from_pb(cls, msg: pb.VerifyDraftRequest, limits: Limits, path: str = "",
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE, regions=None) -> "VerifyDraftCall":
+        ids = tensor_field(msg, "draft_token_ids", path, in_place, dtypes=INTS, ranks=(2,), regions=regions)
+        target = tensor_field(msg, "target_logits", path, in_place, dtypes=FLOATS, ranks=(3,), regions=regions)
+        rows, n = ids.shape
+        if tuple(target.shape[:2]) != (rows, n + 1):
+            raise ValueError(f"{path}target_logits.shape: must be [B, n + 1, V] = [{rows}, {n + 1}, V] (B, n from "
+                             f"draft_token_ids.shape), got {list(target.shape)}")
+        vocab = target.shape[2]
+        limits.check(f"{path}target_logits", rows * (n + 1), vocab)
+        given = [name for name in DRAFT_FIELDS if msg.HasField(name)]
+        if len(given) != 1:
+            raise ValueError(f"{path}draft_probs / draft_logits: exactly one must be set, got "
+                             f"{' and '.join(given) or 'neither'}")
+        draft_name = given[0]
+        draft = tensor_field(msg, draft_name, path, in_place, dtypes=FLOATS, ranks=(3,), regions=regions)
+        if tuple(draft.shape) != (rows, n, vocab):
+            raise ValueError(f"{path}{draft_name}.shape: must be [B, n, V] = [{rows}, {n}, {vocab}] (B, n from "
+                             f"draft_token_ids.shape, V from target_logits.shape), got {list(draft.shape)}")
+        from_logits = draft_name == "draft_logits"
+        if not from_logits and (msg.HasField("draft_temperature") or msg.HasField("draft_temperature_rows")):
+            raise ValueError(f"{path}draft_temperature: applies only with draft_logits")
+        _check_ids(ids, vocab, f"{path}draft_token_ids")
+        if msg.filter_order not in WIRE_FILTER_ORDERS:
+            raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
+        values = {p.name: _param(msg, p, rows, path, regions)
+                  for p in (SEED, TEMPERATURE, TOP_K, TOP_P, MIN_P, STEP, DRAFT_TEMPERATURE)}
+        if values["seed"] is None:
+            values["seed"] = _draw_seeds(rows)
+        shapes = _shapes(rows, n)
+        outputs = Outputs.of(msg, "VerifyDraft", regions, path, shapes)
+        size = answer_bytes(pb.VerifyDraftResponse, shapes, outputs)
+        limits.check_answer(f"{path}target_logits", size)
+        return cls(ids, draft, from_logits, target, values, WIRE_FILTER_ORDERS[msg.filter_order], outputs, regions,
+                   size)
+
+    @property
+    def inputs(self) -> tuple:
+        return (self.draft_token_ids, self.draft, self.target_logits)
+
+    @property
+    def rows(self) -> int:
+        return self.draft_token_ids.shape[0]
+
+    @property
+    def key(self):
+        """Calls with equal dtypes, n, V, draft kind and filter order share a launch."""
+        return (self.op, self.draft_token_ids.dtype, self.draft.dtype, self.target_logits.dtype,
+                *self.target_logits.shape[1:], self.from_logits, self.filter_order)
+
+    def seeds(self) -> list[int]:
+        seed = self.values["seed"]
+        return seed if isinstance(seed, list) else [seed] * self.rows
+
+    def columns(self) -> tuple[HostTensor, HostTensor]:
+        """The parameters as per-row float32 and int64 columns (``FLOAT_COLUMNS``, ``INT_COLUMNS``)."""
+        return (_param_rows([self.values[name] for name in FLOAT_COLUMNS], self.rows, torch.float32),
+                _param_rows([self.values[name] for name in INT_COLUMNS], self.rows, torch.int64))
+
+    @classmethod
+    async def run_batch(cls, calls: list["VerifyDraftCall"], handle) -> list["VerifyDraftResult"]:
+        return await handle.run(_launch_on_thread, calls, handle)
+
+
+def _launch_on_thread(calls: list[VerifyDraftCall], handle) -> list["VerifyDraftResult"]:
+    """On the launch thread: the calls in one launch (or, for in-place calls under the per-call
+    strategy, one each; server/ops/resident.py); each call's outputs put into its regions or
+    brought to the host."""
+    first = calls[0]
+    groups = [calls] if len(calls) == 1 or launches_together(calls, handle) else [[c] for c in calls]
+    results = []
+    for group in groups:
+        columns = [c.columns() for c in group]
+        ids, draft, target, floats, ints = device_inputs(
+            handle, [c.draft_token_ids for c in group], [c.draft for c in group], [c.target_logits for c in group],
+            [f for f, _ in columns], [i for _, i in columns])
+        params = dict(zip(FLOAT_COLUMNS + INT_COLUMNS, (*floats.unbind(1), *ints.unbind(1))))
+        draft_temperature = params.pop(DRAFT_TEMPERATURE.name)
+        draft_arg = dict(draft_logits=draft, draft_temperature=draft_temperature) if first.from_logits else \
+            dict(draft_probs=draft)
+        result = kernels.verify(ids, target, **draft_arg, **params, filter_order=first.filter_order,
+                                backend=handle.backend)
+        sizes = [c.rows for c in group]
+        for c, tokens, accepted, valid in zip(group, *(split(t, sizes) for t in result)):
+            outs = {"token_ids": tokens, "num_accepted": accepted, "valid": valid}
+            if c.outputs is not None and c.outputs.on_device:
+                outs["seeds"] = torch.tensor(c.seeds(), dtype=torch.int64)
+                for name in [name for name in outs if name in c.outputs]:
+                    c.outputs.put(name, outs.pop(name))
+            results.append(VerifyDraftResult({name: to_host(value) for name, value in outs.items()}, c.seeds(),
+                                             c.outputs))
+    return results
+
+
+@dataclass
+class VerifyDraftResult:
+    # The outputs still to answer (host tensors, read once the stream is done): token_ids,
+    # num_accepted, valid; those put into device regions are absent.
+    values: dict
+    seeds: list[int]
+    outputs: Outputs | None = None  # the outputs that go into regions
+
+    def to_pb(self) -> pb.VerifyDraftResponse:
+        response = pb.VerifyDraftResponse()
+        arrays = {name: value.numpy() for name, value in self.values.items()}
+        arrays["seeds"] = np.asarray(self.seeds, dtype=np.int64)
+        for name in OUTPUT_NAMES:
+            if self.outputs is not None and name in self.outputs:
+                if name in self.values or (name == "seeds" and not self.outputs.on_device):
+                    self.outputs.write(name, arrays[name])  # a system region: written from the host
+                getattr(response, name).CopyFrom(self.outputs.message(name))
+            else:
+                getattr(response, name).CopyFrom(from_array(arrays[name]))
+        return response
+
