@@ -29,10 +29,9 @@ from ._plan import FLOAT_DTYPES, TensorSpec, check_dtype, check_same_device, che
 from .reference import verify as reference
 from .sampling.api import _check_counter, _check_param
 from .sampling.launcher import FastLauncher
-from .sampling.noise import split_u64
 from .sampling.params import FILTER_ORDERS, MIN_P, SEED, SEED_BITS, SEED_RANGE, STEP, STEP_RANGE, TEMPERATURE, TOP_K, \
     TOP_P
-from .sampling.plan import INT_DTYPES, PARAM_DTYPES, chunk_settings, finish_settings
+from .sampling.plan import INT_DTYPES, PARAM_DTYPES, as_int64, chunk_settings, finish_settings, u64_arg
 from .sampling.gather import _gather
 from .sampling.stats import _stats_merge
 from .sampling.workspace import _on_host, workspace_size
@@ -210,7 +209,7 @@ class VerifyPlan:
                      RV_MODE=False, RV_TENSOR=False, IS_F64=self.draft_f64, CH=self.chunk, NG=self.groups,
                      CB=cb, SELECT_BLOCK=self.select_block, WITH_SOFTMAX=True, WITH_GROUPS=False,
                      WITH_ARGMAX=per_row["draft_temperature"] or draft_temperature == 0), self.warps, dev)
-        seeds = (*_u64_arg(seed), *_u64_arg(step))
+        seeds = (*u64_arg(seed), *u64_arg(step))
         draw((n_rows, self.n_chunks),
              (tokens, accepted, valid, scratch["race"], ws, scratch["greedy"], scratch["kept_key"],
               scratch["kept_mass"], draft_token_ids, *draft_token_ids.stride(), target_logits,
@@ -231,7 +230,7 @@ class VerifyPlan:
                 return value
             return torch.full((self.n_rows,), value, dtype=dtype, device=device)
 
-        seed = seed if isinstance(seed, torch.Tensor) else _as_int64(seed)
+        seed = seed if isinstance(seed, torch.Tensor) else as_int64(seed)
         draft_valid = None
         if self.from_logits:
             draft, draft_valid = reference.draft_probs_of(draft, full(draft_temperature, torch.float32))
@@ -248,19 +247,6 @@ def _arg(value, convert, repeats: int) -> tuple:
     if isinstance(value, torch.Tensor):
         return value.repeat_interleave(repeats), 1
     return convert(value), 0
-
-
-def _u64_arg(value) -> tuple:
-    """A seed or step as kernel arguments: (tensor, 0, stride) or its (lo, hi, 0) int32 halves."""
-    if isinstance(value, torch.Tensor):
-        return value, 0, value.stride(0)
-    return (*split_u64(int(value)), 0)
-
-
-def _as_int64(value: int) -> int:
-    """A Python int taken modulo 2**64, as the int64 with that bit pattern."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >> 63 else value
 
 
 _cached_plan = plan_cache(VerifyPlan)

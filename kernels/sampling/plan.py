@@ -183,7 +183,7 @@ class SamplePlan:
                               dict(shape, RV_TENSOR=per_row["random_val"], BLOCK=self.block,
                                    SELECT_BLOCK=self.select_block), self.finish_warps, dev)
             return out
-        seeds = (*_u64_arg(seed), *_u64_arg(step))
+        seeds = (*u64_arg(seed), *u64_arg(step))
         gather_args = (ws, logits, rs, cs, *t, *mp, *seeds, n_rows, n_cols)
         gather_flags = dict(T_TENSOR=per_row["temperature"], MP_TENSOR=per_row["min_p"], SEED_TENSOR=per_row["seed"],
                             STEP_TENSOR=per_row["step"], IS_F64=self.is_f64, CH=self.chunk, NG=self.groups)
@@ -239,8 +239,8 @@ class SamplePlan:
                 return value
             return torch.full((self.n_rows,), value, dtype=dtype, device=logits.device)
 
-        seed = seed if isinstance(seed, torch.Tensor) else _as_int64(seed)
-        step = step if isinstance(step, torch.Tensor) else _as_int64(step)
+        seed = seed if isinstance(seed, torch.Tensor) else as_int64(seed)
+        step = step if isinstance(step, torch.Tensor) else as_int64(step)
         params = [full(temperature, torch.float32), full(top_k, torch.int64), full(top_p, torch.float32),
                   full(min_p, torch.float32), full(seed, torch.int64), full(step, torch.int64),
                   full(random_val, torch.float32) if self.random_val_mode else None]
@@ -263,14 +263,14 @@ def _arg(value, convert) -> tuple:
     return convert(value), 0
 
 
-def _u64_arg(value) -> tuple:
+def u64_arg(value) -> tuple:
     """A seed or step as kernel arguments: (tensor, 0, stride) or its (lo, hi, 0) int32 halves."""
     if isinstance(value, torch.Tensor):
         return value, 0, value.stride(0)
     return (*split_u64(int(value)), 0)
 
 
-def _as_int64(value: int) -> int:
+def as_int64(value: int) -> int:
     """A Python int taken modulo 2**64, as the int64 with that bit pattern."""
     value &= (1 << 64) - 1
     return value - (1 << 64) if value >> 63 else value
