@@ -182,5 +182,7 @@ def test_graph_keys_follow_the_client_addresses_and_capture_on_second_use():
     assert first != key(logits=mem.put(x), output_regions=out, seed=1)  # another address
     assert not handle.graphs.seen_again(first) and handle.graphs.seen_again(first)
     assert key(logits=logits, output_regions=out, seed=1, logprobs=1) is None  # processors: eager, a launch of its own
+    handle.device = torch.device("cuda", 0)  # the client's memory on another device than the server's
+    assert key(logits=logits, seed=1) is None and key(logits=from_torch(x), output_regions=out, seed=1) is None
     handle.graphs = None
     assert key(logits=logits, seed=1) is None

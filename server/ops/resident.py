@@ -76,11 +76,9 @@ def launches_in_place(calls: list, device: torch.device) -> bool:
 def graph_key(call, handle):
     """The key of a lone in-place ``call``'s CUDA graph (its op key, then the address, shape and
     dtype of every input read in place, contiguous, and the address of every output region), or
-    None where it launches eagerly: no graphs on this device, an input in a system region (a
-    graph cannot read pageable memory), or an output in one."""
+    None where it launches eagerly: no graphs on this device, or an input or output in a system
+    region (a graph cannot read pageable memory) or on another device."""
     if handle.graphs is None or call.key is None:
-        return None
-    if call.outputs is not None and not all(s.lease.kind == CUDA for s in call.outputs.slots.values()):
         return None
     places = []
     for t in call.inputs:
@@ -90,8 +88,11 @@ def graph_key(call, handle):
             places.append((t.tensor.data_ptr(), t.shape, t.dtype))
         elif t.in_region:
             return None
-    if call.outputs is not None:
-        places.extend((name, s.lease.tensor().data_ptr()) for name, s in sorted(call.outputs.slots.items()))
+    for name, slot in sorted(call.outputs.slots.items()) if call.outputs is not None else ():
+        target = slot.lease.tensor() if slot.lease.kind == CUDA else None
+        if target is None or target.device != handle.device:
+            return None
+        places.append((name, target.data_ptr()))
     return (call.key, "in place", *places)
 
 
