@@ -138,7 +138,8 @@ class LaunchGraphs:
 
     def capture(self, key, bucket: int, stage: Staging, launch: Launch) -> CapturedLaunch:
         """Capture ``launch`` over ``stage`` (``bucket`` rows) for ``key``, on the device's launch thread."""
-        while self._graphs and (self._bytes + stage.nbytes > self.budget_bytes or len(self._graphs) >= GRAPH_MAX_COUNT):
+        while self._graphs and (self._bytes + stage.nbytes > self.budget_bytes
+                                or len(self._graphs) >= GRAPH_MAX_COUNT):
             _, dropped = self._graphs.popitem(last=False)
             self._bytes -= dropped.nbytes
         graph = self._graphs[(key, bucket)] = CapturedLaunch(stage, launch, self.device, self.stream)

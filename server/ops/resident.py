@@ -13,11 +13,11 @@ are fixed addresses, and a client's registered buffer keeps its address from cal
 the graph is keyed by those addresses (and captured on a key's second use, where the client
 shows it reuses the buffer: ``LaunchGraphs.seen_again``). A region mapped at the same address
 later, with the same shapes, replays the same graph correctly: it reads whatever the call's
-leases hold mapped there. Any other in-place batch launches eagerly on the launch thread. A lone call launches on
-its inputs where they are, and writes its outputs straight into their regions where the op
-takes ``out=`` (softmax, causal softmax, SiLU, SwiGLU) and the region is on the device;
-otherwise with one copy (device to region). A batch of several such calls launches as
-:data:`REGION_BATCHING` says:
+leases hold mapped there. Any other in-place batch launches eagerly on the launch thread. A
+lone call launches on its inputs where they are, and writes its outputs straight into their
+regions where the op takes ``out=`` (softmax, causal softmax, SiLU, SwiGLU) and the region is
+on the device; otherwise with one copy (device to region). A batch of several such calls
+launches as :data:`REGION_BATCHING` says:
 
 - :data:`GATHER`: the rows of every call are gathered on the device into one input (region
   pieces by device-to-device copies, host pieces staged in one transfer), one launch serves the
@@ -88,9 +88,9 @@ def graph_key(call, handle):
             places.append((t.tensor.data_ptr(), t.shape, t.dtype))
         elif t.in_region:
             return None
-    for name, slot in sorted(call.outputs.slots.items()) if call.outputs is not None else ():
-        target = slot.lease.tensor() if slot.lease.kind == CUDA else None
-        if target is None or target.device != handle.device:
+    for name in sorted(call.outputs.slots) if call.outputs is not None else ():
+        target = call.outputs.direct(name, handle.device)
+        if target is None:
             return None
         places.append((name, target.data_ptr()))
     return (call.key, "in place", *places)

@@ -171,6 +171,18 @@ class SampleCall:
     def seeds(self) -> list[int]:
         return self.seed if isinstance(self.seed, list) else [self.seed] * self.rows
 
+    def put_outputs(self, tokens: torch.Tensor, seeds: torch.Tensor | None = None) -> None:
+        """On the launch thread (or while a graph is captured): ``token_ids``, ``valid`` and
+        ``seeds`` into the regions ``output_regions`` names. ``seeds``: a tensor of this call's
+        seeds where the launch has one (a graph must read the replay's own), else made here."""
+        if self.outputs is None:
+            return
+        if seeds is None:
+            seeds = torch.tensor(self.seeds(), dtype=torch.int64)
+        for name, value in (("token_ids", tokens), ("valid", tokens >= 0), ("seeds", seeds)):
+            if name in self.outputs:
+                self.outputs.put(name, value)
+
     def __post_init__(self):
         floats = [getattr(self, name) for name in FLOAT_PARAMS]
         if self.random_val is not None:
@@ -235,7 +247,6 @@ async def _replay_in_place(call: SampleCall, key, handle) -> "SampleResult":
     (server/ops/resident.py): the parameters staged as on the byte path, the outputs written into
     their regions by the graph."""
     logits = call.logits.torch()
-    targets = {name: call.outputs.direct(name, handle.device) for name in call.outputs.slots} if call.outputs else {}
     names, rows = _param_names([call]), call.rows
 
     def stage_for(batch_rows: int) -> Staging:
@@ -248,9 +259,7 @@ async def _replay_in_place(call: SampleCall, key, handle) -> "SampleResult":
         # The graph's padding rows of parameters are not read: the logits have the call's rows.
         params = dict(zip(names, (*float_rows[:rows].unbind(1), *int_rows[:rows].unbind(1))))
         tokens = kernels.sample(logits, **params, filter_order=call.filter_order, backend=handle.backend)
-        for name, value in (("token_ids", tokens), ("valid", tokens >= 0), ("seeds", params[SEED.name])):
-            if name in targets:
-                targets[name].copy_(value.reshape(targets[name].shape))
+        call.put_outputs(tokens, params[SEED.name])
         return (tokens,)
 
     tokens, = await handle.launch(key, rows, stage_for, launch)
@@ -270,11 +279,7 @@ def _launch_in_place(calls: list[SampleCall], handle) -> list[tuple[torch.Tensor
         params = dict(zip(names, (*floats.unbind(1), *ints.unbind(1))))
         tokens = kernels.sample(logits, **params, filter_order=group[0].filter_order, backend=handle.backend)
         for t, c in zip(split(tokens, [c.rows for c in group]), group):
-            if c.outputs is not None:
-                for name, value in (("token_ids", t), ("valid", t >= 0),
-                                    ("seeds", torch.tensor(c.seeds(), dtype=torch.int64))):
-                    if name in c.outputs:
-                        c.outputs.put(name, value)
+            c.put_outputs(t)
             done.append((to_host(t), c))
     return done
 

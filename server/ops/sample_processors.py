@@ -131,11 +131,7 @@ def launch_processed(call, handle, names) -> tuple:
         extra["return_kept"] = True
     result = kernels.sample(logits, **params, filter_order=call.filter_order, backend=handle.backend, **procs, **extra)
     tokens, lp = result if extra else (result, None)
-    if call.outputs is not None:
-        for name, value in (("token_ids", tokens), ("valid", tokens >= 0),
-                            ("seeds", torch.tensor(call.seeds(), dtype=torch.int64))):
-            if name in call.outputs:
-                call.outputs.put(name, value)
+    call.put_outputs(tokens)
     host_lp = None
     if lp is not None:
         host_lp = tuple(None if t is None else t.cpu() for t in (lp.token_logprob, lp.token_rank, lp.top_token_ids,
