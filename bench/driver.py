@@ -152,6 +152,34 @@ def drive_processes(target: str, payload: Payload, concurrency: int, calls: int,
     return [t for lat, _, _ in parts for t in lat], errors, max(w for _, _, w in parts)
 
 
+class ClientFailed(RuntimeError):
+    """A client process of :func:`in_client_process` raised; the message is its traceback."""
+
+
+def _client_entry(queue, fn: Callable, args: tuple) -> None:
+    try:
+        queue.put(("ok", fn(*args)))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        queue.put(("error", traceback.format_exc()))
+        raise SystemExit(1) from exc
+
+
+def in_client_process(fn: Callable, *args, timeout: float = 3600):
+    """``fn(*args)`` (a module-level function) in a spawned process of its own, which shares no
+    process with any server, as a frontend would not: its result, or :class:`ClientFailed`."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_client_entry, args=(queue, fn, args))
+    proc.start()
+    status, result = queue.get(timeout=timeout)
+    proc.join(60)
+    if status != "ok":
+        raise ClientFailed(result)
+    return result
+
+
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants (a server of several worker processes)."""
     pids, i = [pid], 0

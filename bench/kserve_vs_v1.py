@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import shlex
 import signal
 import statistics
@@ -48,7 +47,7 @@ import time
 
 import numpy as np
 
-from .driver import percentile
+from .driver import ClientFailed, in_client_process, percentile
 from .service import machine_line
 
 PARAMS = dict(temperature=0.8, top_k=50, top_p=0.9)
@@ -208,16 +207,6 @@ def summary(case: dict) -> dict:
     return out
 
 
-def _measure_entry(queue, *args) -> None:
-    try:
-        queue.put(("ok", measure(*args)))
-    except BaseException as exc:  # noqa: BLE001 -- reported by the parent
-        import traceback
-
-        queue.put(("error", traceback.format_exc()))
-        raise SystemExit(1) from exc
-
-
 def table(results: list[dict]) -> list[str]:
     lines = ["| logits f32 | path | v1 p50 ms | KServe p50 ms | KServe / v1 p50 | per-round p50 ratios | v1 p90 ms "
              "| KServe p90 ms | KServe / v1 p90 | tokens equal |",
@@ -258,16 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     # Warm-up compiles what the benchmark calls: float32 at its width.
     with ServerProcess("--warmup-dtypes", "float32", "--warmup-widths", str(args.vocab), device=args.device,
                        backend=args.backend, start_timeout=args.startup_timeout) as server:
-        ctx = multiprocessing.get_context("spawn")
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_measure_entry, args=(queue, server.target, args.device, rows_list, args.vocab,
-                                                        args.rounds, iters, args.warmup))
-        proc.start()
-        status, results = queue.get(timeout=3600)
-        proc.join(60)
-    if status != "ok":
-        print(results, file=sys.stderr)
-        return 1
+        try:
+            results = in_client_process(measure, server.target, args.device, rows_list, args.vocab, args.rounds,
+                                        iters, args.warmup)
+        except ClientFailed as exc:
+            print(exc, file=sys.stderr)
+            return 1
     text = "\n".join([f"KServe front vs logitserve.v1: {machine}.",
                       f"Command: `{command}`. Sample, temperature 0.8, top_k 50, top_p 0.9, per-row seeds; "
                       f"concurrency 1; {args.rounds} interleaved rounds of {iters} calls per front; medians over "

@@ -47,6 +47,7 @@ import time
 
 import numpy as np
 
+from .driver import ClientFailed, in_client_process
 from .servers import ServerSpec, delta, echo_argv, running_all, scrape, serve_argv
 from .service import machine_line
 
@@ -186,16 +187,6 @@ def measure_paths(target: str, echo: str, device: str, rows_list, vocab: int, dt
     return rows_out
 
 
-def _measure_paths_entry(queue, *args) -> None:
-    try:
-        queue.put(("ok", measure_paths(*args)))
-    except BaseException as exc:  # noqa: BLE001 -- reported by the parent
-        import traceback
-
-        queue.put(("error", traceback.format_exc()))
-        raise SystemExit(1) from exc
-
-
 # ------------------------------------------------------------------- table 2, eight processes
 
 
@@ -329,14 +320,11 @@ def main(argv: list[str] | None = None) -> int:
               f"Clients in processes of their own; Sample with temperature 0.8, top_k 50, top_p 0.9, per-row "
               f"seeds; p50 at concurrency 1, ms (batching on).", ""]
     with running_all(specs, args.startup_timeout) as (echo, batch_on, batch_off):
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_measure_paths_entry,
-                           args=(queue, batch_on.target, echo.target, args.device, rows_list, vocab, dtypes, seconds))
-        proc.start()
-        status, paths = queue.get(timeout=3600)
-        proc.join(60)
-        if status != "ok":
-            print(paths, file=sys.stderr)
+        try:
+            paths = in_client_process(measure_paths, batch_on.target, echo.target, args.device, rows_list, vocab,
+                                      dtypes, seconds)
+        except ClientFailed as exc:
+            print(exc, file=sys.stderr)
             return 1
         concurrent = {}
         for label, server in (("batching on", batch_on), ("batching off", batch_off)):
