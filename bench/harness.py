@@ -32,6 +32,20 @@ def median_us(fn: Callable[[], object], rep_ms: int = 200) -> float:
     return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median") * 1e3
 
 
+def print_case_row(c: Case, copy_gbs: float) -> bool:
+    """Time ``c`` and print its markdown row (shape, implementation, median us, GB/s, fraction of
+    ``copy_gbs``): an op's own ``python -m bench.ops.<op>`` table. False (a row saying so) where it
+    raised: a failing baseline must not hide the others."""
+    try:
+        us = median_us(c.fn)
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        print(f"| {c.shape} | {c.impl} | failed: {str(exc)[:80]} | | |", flush=True)
+        return False
+    gbs = c.bytes_moved / (us * 1e-6) / 1e9
+    print(f"| {c.shape} | {c.impl} | {us:.1f} | {gbs:.0f} | {gbs / copy_gbs:.2f} |", flush=True)
+    return True
+
+
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
     """Device-to-device copy of ``nbytes``, counting bytes read plus bytes written: the ceiling."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()

@@ -29,7 +29,7 @@ import torch
 
 from logitserve.kernels import sample
 
-from ..harness import Case, copy_bandwidth_gbs, flashinfer_sampling, maybe_compile, median_us
+from ..harness import Case, copy_bandwidth_gbs, flashinfer_sampling, maybe_compile, median_us, print_case_row
 
 TEMPERATURE, TOP_K, TOP_P, MIN_P = 0.8, 50, 0.9, 0.05
 BATCHES = (1, 16, 64, 256)
@@ -233,13 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in cases(device, with_compile=not args.no_compile):
         if args.only not in f"{c.shape} {c.impl}":
             continue
-        try:
-            us = median_us(c.fn)
-        except Exception as exc:  # noqa: BLE001 - a failing baseline must not hide the others
-            print(f"| {c.shape} | {c.impl} | failed: {str(exc)[:80]} | | |", flush=True)
+        if not print_case_row(c, copy_gbs):
             continue
-        gbs = c.bytes_moved / (us * 1e-6) / 1e9
-        print(f"| {c.shape} | {c.impl} | {us:.1f} | {gbs:.0f} | {gbs / copy_gbs:.2f} |", flush=True)
         if args.graphs and "logitserve" in c.impl:  # (FlashInfer draws a generator: not capturable)
             c.fn()
             torch.cuda.synchronize()

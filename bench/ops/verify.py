@@ -38,7 +38,7 @@ import torch
 
 from logitserve.kernels import verify
 
-from ..harness import Case, copy_bandwidth_gbs, flashinfer_sampling, median_us
+from ..harness import Case, copy_bandwidth_gbs, flashinfer_sampling, print_case_row
 
 BATCHES = (32, 128)
 DRAFTS = (4, 8)
@@ -136,13 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in cases(device):
         if args.only not in f"{c.shape} {c.impl}":
             continue
-        try:
-            us = median_us(c.fn)
-        except Exception as exc:  # noqa: BLE001 - a failing baseline must not hide the others
-            print(f"| {c.shape} | {c.impl} | failed: {str(exc)[:80]} | | |", flush=True)
-            continue
-        gbs = c.bytes_moved / (us * 1e-6) / 1e9
-        print(f"| {c.shape} | {c.impl} | {us:.1f} | {gbs:.0f} | {gbs / copy_gbs:.2f} |", flush=True)
+        print_case_row(c, copy_gbs)
         torch.cuda.empty_cache()
     return 1 if failures else 0
 
