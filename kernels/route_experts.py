@@ -2,15 +2,15 @@
 grouped top-k (DeepSeek-V2 / V3), renormalization and a routed scaling factor.
 
 One kernel, one launch, beside :mod:`.topk_softmax` (which runs the default options unchanged).
-A program owns ``ROWS`` tokens as a ``[ROWS, GROUPS, BLOCK_G]`` tile in registers (``BLOCK_G``
-the group size rounded up to a power of two; one group without grouping): position
-``p = g * BLOCK_G + j`` is expert ``g * GROUP_SIZE + j``, so position order is expert order, and
-group statistics reduce axis 2 with no layout conversion. The selection key (the biased score,
-or the logit without a bias) is a float32 whose bits are made order-preserving. Groups are
-ranked on int64 keys (those bits above the reversed group index); ``k <= 16`` experts by ``k``
-rounds on int32 keys (the largest key, then the lowest position holding it: two one-instruction
-warp reductions); larger ``k`` by :mod:`.topk_softmax`'s bitonic network on int64 keys (bits
-above ``BLOCK_E - 1 - p``). Ties go to the lower expert and the lower group everywhere.
+A program owns ``ROWS`` tokens as a ``[ROWS, BLOCK_E]`` tile in registers; position
+``p = g * BLOCK_G + j`` holds expert ``g * GROUP_SIZE + j`` (``BLOCK_G`` the group size rounded
+up to a power of two), so position order is expert order and group statistics are a reshape to
+``[ROWS, GROUPS, BLOCK_G]`` away. Groups score in one NaN-propagating pass (the top two, or the
+top one); groups and then experts are taken on int32 keys by :mod:`.router_select`'s rounds,
+exact or packed (:data:`VARIANTS`); ``k > 16`` experts by :mod:`.topk_softmax`'s bitonic
+network on int64 keys. Ties go to the lower expert and the lower group everywhere. The picks
+come out as ``[ROWS, BLOCK_K]`` indices, and the weights from their reloaded logits, so the
+stores are ``k`` values a row rather than a masked store of the whole tile.
 """
 
 from __future__ import annotations
@@ -123,7 +123,9 @@ def _route_experts_kernel(
         total = tl.sum(e, axis=1)
         score = e * (1.0 / total)[:, None]
     if HAS_BIAS:
-        b = tl.load(bias_ptr + expert * bias_stride, mask=keep, other=0.0)
+        # Loaded as a [ROWS, BLOCK_E] tile (each row its own copy, from L1): a [1, BLOCK_E] load
+        # makes Triton lay the whole tile out to suit it, one row over all the warps.
+        b = tl.load(tl.broadcast_to(bias_ptr + expert * bias_stride, [ROWS, BLOCK_E]), mask=keep, other=0.0)
         biased = score + b
         ranked = biased
     else:
