@@ -152,13 +152,14 @@ def _route_experts_kernel(
         # Packed keys, one reduction a round. Rows the check cannot vouch for (near-ties in the
         # dropped bits, exact ties, NaN rows) are redone exactly, the whole program at once.
         exact = bad == 0
+        fast_keep = keep  # the redo starts again from keep, not from these groups
         if GROUPED:
             g = tl.arange(0, GROUPS)[None, :]
             gkey = tl.where(g < N_GROUP, (gord & -(1 << GROUP_BITS)) | (GROUPS - 1 - g), DROP)
             _, gkey, gexact = packed_rounds(gkey, TOPK_GROUP, BLOCK_TG, GROUP_BITS, True)
             exact = exact & gexact
-            keep = keep & _broadcast_groups(gkey == MARK, ROWS, GROUPS, BLOCK_G)
-        key = tl.where(keep, (ordered & -(1 << IDX_BITS)) | ((1 << IDX_BITS) - 1 - expert), DROP)
+            fast_keep = keep & _broadcast_groups(gkey == MARK, ROWS, GROUPS, BLOCK_G)
+        key = tl.where(fast_keep, (ordered & -(1 << IDX_BITS)) | ((1 << IDX_BITS) - 1 - expert), DROP)
         picks, _, kexact = packed_rounds(key, K, BLOCK_K, IDX_BITS, not PACK_EXACT)
         exact = exact & kexact
         if tl.max((row_in & (exact == 0)).to(tl.int32), axis=0) > 0:

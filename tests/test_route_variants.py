@@ -75,6 +75,25 @@ def test_near_ties_in_the_dropped_bits(backend, gen, variant):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_redo_chooses_groups_again(backend, variant):
+    # Logits 0 (scores 0.5). Groups 0, 3 and 4 score 2.0; group 2 scores 1.5 + 2**-23 and group
+    # 1 scores 1.5, equal in every bit a packed group key keeps, so the packed rounds keep group
+    # 1 (the lower) and the exact ones group 2. Equal expert keys send the row to the redo,
+    # which must rank all groups again: experts 64 and 65 of group 2 are the 7th and 8th.
+    bias = torch.zeros(256)
+    bias[[3, 17, 100, 101, 130, 150]] = 0.5
+    bias[[32, 33, 65]] = 0.25
+    bias[64] = 0.25 + 2 ** -23
+    x = torch.zeros(1, 256)
+    device = DEVICES[backend]
+    x, bias = x.to(device), bias.to(device)
+    weights, indices = route(x, 8, bias, variant, backend, **DEEPSEEK_V3)
+    assert indices[0].tolist() == [3, 17, 100, 101, 130, 150, 64, 65]
+    check(x, 8, bias, DEEPSEEK_V3, weights, indices)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_exact_ties_nan_and_inf_rows(backend, gen, variant):
     x, bias = logits_and_bias(8, 64, True, gen)
     x[1, 7] = float("nan")
