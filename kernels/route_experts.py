@@ -2,20 +2,21 @@
 grouped top-k (DeepSeek-V2 / V3), renormalization and a routed scaling factor.
 
 One kernel, one launch, beside :mod:`.topk_softmax` (which runs the default options unchanged).
-A program owns ``ROWS`` tokens as a ``[ROWS, GROUPS, BLOCK_G]`` tile in registers (``BLOCK_G``
-the group size rounded up to a power of two; one group without grouping): position
-``p = g * BLOCK_G + j`` is expert ``g * GROUP_SIZE + j``, so position order is expert order, and
-group statistics reduce axis 2 with no layout conversion. The selection key (the biased score,
-or the logit without a bias) is a float32 whose bits are made order-preserving. Groups are
-ranked on int64 keys (those bits above the reversed group index); ``k <= 16`` experts by ``k``
-rounds on int32 keys (the largest key, then the lowest position holding it: two one-instruction
-warp reductions); larger ``k`` by :mod:`.topk_softmax`'s bitonic network on int64 keys (bits
-above ``BLOCK_E - 1 - p``). Ties go to the lower expert and the lower group everywhere.
+A program owns ``ROWS`` tokens as a ``[ROWS, BLOCK_E]`` tile in registers; position
+``p = g * BLOCK_G + j`` holds expert ``g * GROUP_SIZE + j`` (``BLOCK_G`` the group size rounded
+up to a power of two), so position order is expert order and group statistics are a reshape to
+``[ROWS, GROUPS, BLOCK_G]`` away. Groups score in one NaN-propagating pass (the top two, or the
+top one); groups and then experts are taken on int32 keys by :mod:`.router_select`'s rounds,
+exact or packed (:data:`VARIANTS`); ``k > 16`` experts by :mod:`.topk_softmax`'s bitonic
+network on int64 keys. Ties go to the lower expert and the lower group everywhere. The picks
+come out as ``[ROWS, BLOCK_K]`` indices, and the weights from their reloaded logits, so the
+stores are ``k`` values a row rather than a masked store of the whole tile.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -24,6 +25,7 @@ import triton.language as tl
 from ._backend import launchable, resolve_backend
 from ._plan import TensorSpec, check_same_device, check_tensor, plan_cache
 from .reference import route_experts as reference
+from .router_select import DROP, MARK, exact_rounds, group_scores, has_nan, index_bits, ordered_bits, packed_rounds
 from .topk_softmax import (TopkSoftmaxPlan, _bitonic_topk, check_gate_logits, num_warps_for, rows_per_program,
                            use_sort)
 
@@ -31,29 +33,53 @@ SCORINGS = ("softmax", "sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
 # The widest padded tile a program holds (int64 keys); groups' padding can double 4096 experts.
 MAX_BLOCK = 8192
-KEY_MARK = -(2 ** 63)  # below every int64 key: chosen and padding groups
+
+
+class RouterVariant(NamedTuple):
+    """How a plan's kernel selects (for ``k <= 16``; beyond, the bitonic network) and its tile.
+
+    ``select``: ``"exact"`` (two reductions a round) or ``"packed"`` (one, plus an exact redo of
+    the programs with a row it cannot vouch for). ``rows`` and ``warps`` multiply
+    :func:`rows_per_program` and :func:`num_warps_for`.
+    """
+
+    select: str
+    rows: int = 1
+    warps: int = 1
+
+
+SELECTS = ("exact", "packed")
+VARIANTS = {
+    "exact": RouterVariant("exact"),
+    "packed": RouterVariant("packed"),
+    "packed rows x2": RouterVariant("packed", rows=2),             # two rows a warp: twice the ILP
+    "packed warps x4": RouterVariant("packed", rows=4, warps=4),   # four-warp programs, a row a warp
+}
+# The variant plans use unless told otherwise: the fastest of `python -m bench.router_variants`
+# on the H100 (a guess until measured; changing it changes no result, only the time).
+DEFAULT_VARIANT = "packed"
 
 
 @triton.jit
-def _ordered(v):
-    # float32 -> int32 whose order is the floats' (-0.0 == +0.0).
-    bits = (v + 0.0).to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+def _broadcast_groups(kept, ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
+    # [ROWS, GROUPS] -> [ROWS, GROUPS * BLOCK_G]: each position takes its group's value.
+    return tl.reshape(tl.broadcast_to(kept[:, :, None], [ROWS, GROUPS, BLOCK_G]), [ROWS, GROUPS * BLOCK_G])
 
 
 @triton.jit
-def _row_max(v):
-    return tl.max(tl.max(v, axis=2), axis=1)
-
-
-@triton.jit
-def _row_min(v):
-    return tl.min(tl.min(v, axis=2), axis=1)
-
-
-@triton.jit
-def _row_sum(v):
-    return tl.sum(tl.sum(v, axis=2), axis=1)
+def _exact_picks(ordered, gord, bad, expert, keep, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 GROUPED: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_TG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    # The semantics step by step: NaN rows tie every group and expert (so the lowest win); the
+    # TOPK_GROUP best groups, then the K best keys among their experts, each by exact rounds.
+    if GROUPED:
+        g = tl.arange(0, GROUPS)[None, :]
+        gkey = tl.where(g < N_GROUP, tl.where(bad[:, None], 0, gord), DROP)
+        _, gkey = exact_rounds(gkey, g, TOPK_GROUP, BLOCK_TG, GROUPS)
+        keep = keep & _broadcast_groups(gkey == MARK, ROWS, GROUPS, BLOCK_G)
+    key = tl.where(keep, tl.where(bad[:, None], 0, ordered), DROP)
+    picks, _ = exact_rounds(key, expert, K, BLOCK_K, BLOCK_E * 2)
+    return picks
 
 
 @launchable
@@ -62,120 +88,114 @@ def _route_experts_kernel(
     weights_ptr, indices_ptr, x_ptr, bias_ptr,
     out_row_stride, x_row_stride, x_col_stride, bias_stride,
     n_rows, scale,
-    MARK: tl.constexpr, MARK32: tl.constexpr, K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-    N_GROUP: tl.constexpr,
+    K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr,
     GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr,
     RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_SORT: tl.constexpr, LOG_ROWS: tl.constexpr,
-    LOG_E: tl.constexpr, LOG_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, EVEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TG: tl.constexpr,
+    SELECT: tl.constexpr, PACK_EXACT: tl.constexpr, IDX_BITS: tl.constexpr, GROUP_BITS: tl.constexpr,
+    LOG_ROWS: tl.constexpr, LOG_E: tl.constexpr, LOG_K: tl.constexpr,
 ):
-    # The tile is [ROWS, GROUPS, BLOCK_G] throughout (GROUPS = 1 without groups): group
-    # statistics reduce axis 2 and come back by broadcasting, with no layout conversion.
+    # The tile is [ROWS, BLOCK_E], position p = g * BLOCK_G + j holding expert
+    # g * GROUP_SIZE + j (the identity when EVEN); group statistics view it as
+    # [ROWS, GROUPS, BLOCK_G], a reshape that moves no data.
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS)
-    r3 = rows[:, None, None]
-    g = tl.arange(0, GROUPS)[None, :, None]
-    j = tl.arange(0, BLOCK_G)[None, None, :]
-    p = g * BLOCK_G + j
-    expert = g * GROUP_SIZE + j
-    valid = (j < GROUP_SIZE) & (g < N_GROUP)
-    x_row = x_ptr + r3 * x_row_stride
-    x = tl.load(x_row + expert.to(tl.int64) * x_col_stride, mask=(r3 < n_rows) & valid,
-                other=-float("inf")).to(tl.float32)
+    row_in = rows < n_rows
+    p = tl.arange(0, BLOCK_E)[None, :]
+    if EVEN:
+        expert = p
+        keep = p < BLOCK_E
+        mask = row_in[:, None]
+    else:
+        expert = (p // BLOCK_G) * GROUP_SIZE + p % BLOCK_G
+        keep = (p % BLOCK_G < GROUP_SIZE) & (p // BLOCK_G < N_GROUP)
+        mask = row_in[:, None] & keep
+    x_row = x_ptr + rows[:, None] * x_row_stride
+    x = tl.load(x_row + expert.to(tl.int64) * x_col_stride, mask=mask, other=-float("inf")).to(tl.float32)
 
     if SIGMOID:
         score = 1.0 / (1.0 + tl.exp(-x))
-        row_ok = _row_sum((x != x).to(tl.int32)) == 0
     else:
         # As topk_softmax: padding loads -inf (exp 0); total is NaN exactly for a NaN, a +inf
         # or no finite logit.
-        row_max = _row_max(x)
-        e = tl.exp(x - row_max[:, None, None])
-        total = _row_sum(e)
-        score = e * (1.0 / total)[:, None, None]
-        row_ok = total == total
+        row_max = tl.max(x, axis=1)
+        e = tl.exp(x - row_max[:, None])
+        total = tl.sum(e, axis=1)
+        score = e * (1.0 / total)[:, None]
     if HAS_BIAS:
-        b = tl.load(bias_ptr + expert * bias_stride, mask=valid, other=0.0)
+        # Loaded as a [ROWS, BLOCK_E] tile (each row its own copy, from L1): a [1, BLOCK_E] load
+        # makes Triton lay the whole tile out to suit it, one row over all the warps.
+        b = tl.load(tl.broadcast_to(bias_ptr + expert * bias_stride, [ROWS, BLOCK_E]), mask=keep, other=0.0)
         biased = score + b
-        row_ok = row_ok & (_row_sum((biased != biased).to(tl.int32)) == 0)
         ranked = biased
     else:
         biased = score
         ranked = x  # logit order is the exact scores' order
 
-    keep = valid
+    # NaN rows: a NaN score, biased score or group score. Group scores propagate NaN, so with
+    # groups they alone tell; sigmoid scores are NaN exactly where the logits are.
+    gord = 0
     if GROUPED:
-        c = tl.where(valid, biased, -float("inf"))
-        best = tl.max(c, axis=2)
-        if TOP2:
-            at_best = c == best[:, :, None]
-            second = tl.max(tl.where(at_best, -float("inf"), c), axis=2)
-            second = tl.where(tl.sum(at_best.to(tl.int32), axis=2) > 1, best, second)
-            gscore = best + second
-        else:
-            gscore = best
-        row_ok = row_ok & (tl.sum((gscore != gscore).to(tl.int32), axis=1) == 0)
-        g2 = tl.arange(0, GROUPS)[None, :]
-        glow = (GROUPS - 1 - g2).to(tl.int64)
-        gkey = (_ordered(gscore).to(tl.int64) << 32) | glow
-        gkey = tl.where(row_ok[:, None], gkey, glow)
-        gkey = tl.where(g2 < N_GROUP, gkey, MARK)
-        # TOPK_GROUP rounds of max-and-remove over the groups.
-        gkeep = tl.zeros([ROWS, GROUPS], dtype=tl.int32)
-        for r in tl.static_range(TOPK_GROUP):
-            top = tl.max(gkey, axis=1)
-            hit = gkey == top[:, None]
-            gkeep = tl.where(hit, 1, gkeep)
-            gkey = tl.where(hit, MARK, gkey)
-        keep = keep & (gkeep[:, :, None] != 0)
-
-    # Selection keys: the float32 key's bits made order-preserving. Rows with a NaN tie every
-    # expert (0); dropped and padding experts sit below every real key (-inf's is
-    # -2**31 + 0x7FFFFF) and above the marks of the chosen.
-    ordered = tl.where(row_ok[:, None, None], _ordered(ranked), 0)
-    ordered = tl.where(keep, ordered, MARK32 + 0x10000)
-    if USE_SORT:
-        # int64 keys, the reversed position in the low half: distinct, ties to the lower expert.
-        key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - p).to(tl.int64)
-        top = _bitonic_topk(tl.reshape(key, [ROWS, BLOCK_E]), ROWS, BLOCK_K, LOG_ROWS, LOG_E, LOG_K)
-        kcols = tl.arange(0, BLOCK_K)
-        chosen = (kcols < K)[None, :]
-        pos = BLOCK_E - 1 - top.to(tl.int32)  # truncation keeps the low half
-        indices = (pos // BLOCK_G) * GROUP_SIZE + pos % BLOCK_G
-        # The key holds the biased score: reload the chosen logits for the weights.
-        row_mask = (rows < n_rows)[:, None]
-        xs = tl.load(x_ptr + rows[:, None] * x_row_stride + indices.to(tl.int64) * x_col_stride,
-                     mask=row_mask & chosen, other=0.0).to(tl.float32)
-        if SIGMOID:
-            w = 1.0 / (1.0 + tl.exp(-xs))
-        else:
-            w = tl.exp(xs - row_max[:, None]) * (1.0 / total)[:, None]
-        if RENORMALIZE:
-            w = w * (1.0 / tl.sum(tl.where(chosen, w, 0.0), axis=1))[:, None]
-        w = tl.where(row_ok[:, None], w * scale, float("nan"))
-        out = (rows * out_row_stride)[:, None] + kcols[None, :]
-        tl.store(weights_ptr + out, w, mask=row_mask & chosen)
-        tl.store(indices_ptr + out, indices, mask=row_mask & chosen)
+        c = tl.where(keep, biased, -float("inf"))
+        gscore = group_scores(tl.reshape(c, [ROWS, GROUPS, BLOCK_G]), TOP2)
+        bad = tl.max((gscore != gscore).to(tl.int32), axis=1) > 0
+        gord = ordered_bits(gscore)
+    elif HAS_BIAS:
+        bad = has_nan(biased)
+    elif SIGMOID:
+        bad = has_nan(x)
     else:
-        # K rounds of max-and-remove on int32 keys (a warp reduces one in a single instruction):
-        # the largest key, then the lowest position holding it; the chosen key becomes
-        # MARK32 + round, so each expert then knows its output position and stores itself.
-        key = ordered
-        mark = tl.full([1, 1, 1], MARK32, tl.int32)
-        for r in tl.static_range(K):
-            best_key = _row_max(key)
-            first = _row_min(tl.where(key == best_key[:, None, None], p, BLOCK_E))
-            key = tl.where(p == first[:, None, None], mark, key)
-            mark += 1
-        chosen = key < MARK32 + K
-        w = score
-        if RENORMALIZE:
-            w = w * (1.0 / _row_sum(tl.where(chosen, w, 0.0)))[:, None, None]
-        w = tl.where(row_ok[:, None, None], w * scale, float("nan"))
-        out = r3 * out_row_stride + (key ^ MARK32)
-        out_mask = (r3 < n_rows) & chosen
-        tl.store(weights_ptr + out, w, mask=out_mask)
-        tl.store(indices_ptr + out, expert, mask=out_mask)
+        bad = total != total
+    ordered = ordered_bits(ranked)
+
+    if SELECT == 1:
+        # Packed keys, one reduction a round. Rows the check cannot vouch for (near-ties in the
+        # dropped bits, exact ties, NaN rows) are redone exactly, the whole program at once.
+        exact = bad == 0
+        fast_keep = keep  # the redo starts again from keep, not from these groups
+        if GROUPED:
+            g = tl.arange(0, GROUPS)[None, :]
+            gkey = tl.where(g < N_GROUP, (gord & -(1 << GROUP_BITS)) | (GROUPS - 1 - g), DROP)
+            _, gkey, gexact = packed_rounds(gkey, TOPK_GROUP, BLOCK_TG, GROUP_BITS, True)
+            exact = exact & gexact
+            fast_keep = keep & _broadcast_groups(gkey == MARK, ROWS, GROUPS, BLOCK_G)
+        key = tl.where(fast_keep, (ordered & -(1 << IDX_BITS)) | ((1 << IDX_BITS) - 1 - expert), DROP)
+        picks, _, kexact = packed_rounds(key, K, BLOCK_K, IDX_BITS, not PACK_EXACT)
+        exact = exact & kexact
+        if tl.max((row_in & (exact == 0)).to(tl.int32), axis=0) > 0:
+            picks = _exact_picks(ordered, gord, bad, expert, keep, N_GROUP, TOPK_GROUP, GROUPED, ROWS, GROUPS,
+                                 BLOCK_G, BLOCK_TG, K, BLOCK_K, BLOCK_E)
+    elif SELECT == 0:
+        picks = _exact_picks(ordered, gord, bad, expert, keep, N_GROUP, TOPK_GROUP, GROUPED, ROWS, GROUPS,
+                             BLOCK_G, BLOCK_TG, K, BLOCK_K, BLOCK_E)
+    else:
+        # k > 16: topk_softmax's bitonic network on int64 keys (bits above the reversed
+        # position: distinct, ties to the lower expert), after exact group selection.
+        if GROUPED:
+            g = tl.arange(0, GROUPS)[None, :]
+            gkey = tl.where(g < N_GROUP, tl.where(bad[:, None], 0, gord), DROP)
+            _, gkey = exact_rounds(gkey, g, TOPK_GROUP, BLOCK_TG, GROUPS)
+            keep = keep & _broadcast_groups(gkey == MARK, ROWS, GROUPS, BLOCK_G)
+        key = tl.where(keep, tl.where(bad[:, None], 0, ordered), DROP)
+        key = (key.to(tl.int64) << 32) | (BLOCK_E - 1 - p).to(tl.int64)
+        top = _bitonic_topk(key, ROWS, BLOCK_K, LOG_ROWS, LOG_E, LOG_K)
+        pos = BLOCK_E - 1 - top.to(tl.int32)  # truncation keeps the low half
+        picks = (pos // BLOCK_G) * GROUP_SIZE + pos % BLOCK_G
+
+    # Weights from the chosen logits (reloaded: the keys hold biased scores), in pick order.
+    kcols = tl.arange(0, BLOCK_K)[None, :]
+    chosen = row_in[:, None] & (kcols < K)
+    xs = tl.load(x_row + picks.to(tl.int64) * x_col_stride, mask=chosen, other=0.0).to(tl.float32)
+    if SIGMOID:
+        w = 1.0 / (1.0 + tl.exp(-xs))
+    else:
+        w = tl.exp(xs - row_max[:, None]) * (1.0 / total)[:, None]
+    if RENORMALIZE:
+        w = w * (1.0 / tl.sum(tl.where(chosen, w, 0.0), axis=1))[:, None]
+    w = tl.where(bad[:, None], float("nan"), w * scale)
+    out = (rows * out_row_stride)[:, None] + kcols
+    tl.store(weights_ptr + out, w, mask=chosen)
+    tl.store(indices_ptr + out, picks, mask=chosen)
 
 
 def _check_options(k, scoring, n_group, topk_group, group_score, renormalize, routed_scaling_factor) -> None:
@@ -228,8 +248,10 @@ class RouteExpertsPlan:
     def __init__(self, gate_logits: TensorSpec, k: int, *, scoring: str = "softmax",
                  correction_bias: TensorSpec | None = None, n_group: int = 1, topk_group: int = 1,
                  group_score: str = "top2_sum", renormalize: bool = False, routed_scaling_factor: float = 1.0,
-                 backend: str = "auto"):
+                 backend: str = "auto", variant: str | None = None):
         n_rows, n_experts = check_gate_logits(gate_logits)
+        if variant is not None and variant not in VARIANTS:
+            raise ValueError(f"variant: must be one of {sorted(VARIANTS)}, got {variant!r}")
         _check_options(k, scoring, n_group, topk_group, group_score, renormalize, routed_scaling_factor)
         check_group_options(n_experts, k, n_group, topk_group, group_score, routed_scaling_factor)
         if correction_bias is not None:
@@ -260,14 +282,21 @@ class RouteExpertsPlan:
         if block_e > MAX_BLOCK:
             raise ValueError(f"n_group: E = {n_experts} in {n_group} groups pads to {block_e} > {MAX_BLOCK} "
                              "positions a row; use a power-of-two group count or size")
-        self.rows = rows_per_program(n_rows, block_e)
-        self.num_warps = num_warps_for(self.rows, block_e)
+        chosen = VARIANTS[DEFAULT_VARIANT if variant is None else variant]
+        self.rows = rows_per_program(n_rows, block_e) * chosen.rows
+        self.num_warps = num_warps_for(self.rows // chosen.rows, block_e) * chosen.warps
         block_k = max(2, triton.next_power_of_2(k))
-        self.meta = dict(MARK=KEY_MARK, MARK32=-(2 ** 31), K=k, SIGMOID=scoring == "sigmoid",
-                         HAS_BIAS=correction_bias is not None,
+        # Packed keys lose nothing where the ranked value is a 16-bit logit: its float32 bits end
+        # in 16 (bfloat16) or 13 (float16) bits that follow from the rest, room for the index.
+        pack_exact = correction_bias is None and gate_logits.dtype != torch.float32
+        self.meta = dict(K=k, SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
                          N_GROUP=n_group if grouped else 1, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
                          GROUPED=grouped, TOP2=group_score == "top2_sum", RENORMALIZE=renormalize, ROWS=self.rows,
-                         GROUPS=groups, BLOCK_G=block_g, BLOCK_E=block_e, BLOCK_K=block_k, USE_SORT=use_sort(k),
+                         GROUPS=groups, BLOCK_G=block_g, BLOCK_E=block_e,
+                         EVEN=block_g == group_size and groups == (n_group if grouped else 1), BLOCK_K=block_k,
+                         BLOCK_TG=max(2, triton.next_power_of_2(topk_group)),
+                         SELECT=2 if use_sort(k) else SELECTS.index(chosen.select), PACK_EXACT=pack_exact,
+                         IDX_BITS=index_bits(n_experts), GROUP_BITS=groups.bit_length() - 1,
                          LOG_ROWS=self.rows.bit_length() - 1, LOG_E=block_e.bit_length() - 1,
                          LOG_K=block_k.bit_length() - 1)
         self.grid = (triton.cdiv(n_rows, self.rows),)
