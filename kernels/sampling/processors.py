@@ -35,7 +35,7 @@ import triton
 
 from .._backend import resolve_backend
 from .params import MIN_TOKENS, PENALTY_PARAMS, RAGGED_LISTS, SamplingParam
-from .process_kernels import N_FLAGS, _dense, _lists
+from .process_kernels import FLAG_WORDS_PER_GRAMMAR_WORD, _dense, _lists
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 LIST_TILE = 1024  # list tokens a step of _lists: lists of a few thousand take a few steps a phase
@@ -200,7 +200,7 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
     bias, g = procs.logit_bias, procs.grammar_bitmask
     words = (n_cols + 31) // 32
     with_flags = prompt_on or output_on or bias is not None
-    flags = torch.empty((n_rows, N_FLAGS.value, words) if with_flags else (1,), dtype=torch.int32, device=dev)
+    flags = torch.empty((n_rows, FLAG_WORDS_PER_GRAMMAR_WORD.value * words) if with_flags else (1,), dtype=torch.int32, device=dev)
 
     def ragged(lst, on=True):
         return (lst[0], lst[1], lst[0].shape[0]) if lst is not None and on else (dummy, dummy, 0)
