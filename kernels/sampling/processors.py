@@ -35,7 +35,7 @@ import triton
 
 from .._backend import resolve_backend
 from .params import MIN_TOKENS, PENALTY_PARAMS, RAGGED_LISTS, SamplingParam
-from .process_kernels import N_FLAGS, _dense, _lists
+from .process_kernels import FLAG_WORDS_PER_GRAMMAR_WORD, _dense, _lists
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 LIST_TILE = 1024  # list tokens a step of _lists: lists of a few thousand take a few steps a phase
@@ -194,13 +194,13 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
     if n_rows == 0:
         return y
     dummy = torch.zeros(2, dtype=torch.int32, device=dev)
-    rep, freq, pres = (_rows(getattr(procs, p.name), n_rows, torch.float32, dev) for p in PENALTY_PARAMS.values())
     prompt_on = procs.penalties_on and procs.prompt is not None
     output_on = procs.penalties_on and procs.output is not None
     bias, g = procs.logit_bias, procs.grammar_bitmask
     words = (n_cols + 31) // 32
     with_flags = prompt_on or output_on or bias is not None
-    flags = torch.empty((n_rows, N_FLAGS.value, words) if with_flags else (1,), dtype=torch.int32, device=dev)
+    flag_shape = (n_rows, FLAG_WORDS_PER_GRAMMAR_WORD.value * words) if with_flags else (1,)
+    flags = torch.empty(flag_shape, dtype=torch.int32, device=dev)  # zeroed by _dense
 
     def ragged(lst, on=True):
         return (lst[0], lst[1], lst[0].shape[0]) if lst is not None and on else (dummy, dummy, 0)
@@ -216,6 +216,7 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
         HAS_GRAMMAR=g is not None, HAS_FLAGS=with_flags, WORDS=DENSE_WORDS, num_warps=8)
     if not (with_flags or procs.allowed is not None or procs.banned is not None or procs.min_tokens_on):
         return y  # a grammar bitmask alone: the dense pass did everything
+    rep, freq, pres = (_rows(getattr(procs, p.name), n_rows, torch.float32, dev) for p in PENALTY_PARAMS.values())
     _lists.for_backend(backend)[(n_rows,)](
         y, logits, *logits.stride(), n_cols, flags, g_arg, words, rep, freq, pres, *ragged(procs.prompt, prompt_on),
         o_ids, o_off, o_n, *((bias[0], bias[2], bias[1], bias[0].shape[0]) if bias is not None else
