@@ -30,6 +30,7 @@ P_MIN = 1e-4
 ROWS_TORCH = 100000
 ROWS_INTERPRET = 100
 ROWS_CUDA = 200000
+CHUNK = 32768  # rows a verify call takes in run()
 CONFIGS = [dict(), dict(temperature=0.8, top_k=4), dict(top_p=0.7), dict(min_p=0.1),
            dict(top_k=6, top_p=0.8, min_p=0.02, filter_order="joint"), dict(temperature=0.0),
            dict(top_p=0.9, draft_temperature=0.7)]
@@ -64,14 +65,20 @@ def run(backend: str, device: str, rows: int, kw: dict, vocab: int = 16, n: int 
     gen = torch.Generator().manual_seed(rows)
     drawn_from = torch.full_like(q, 1 / vocab) if wrong_draft else q
     ids = torch.multinomial(drawn_from.repeat(rows, 1), 1, replacement=True, generator=gen).reshape(rows, n)
-    x = target.float()[None].expand(rows, -1, -1).to(device)
-    if draft_temperature is None:
-        draft_arg = dict(draft_probs=q.float()[None].expand(rows, -1, -1).to(device))
-    else:
-        draft_arg = dict(draft_logits=draft.float()[None].expand(rows, -1, -1).to(device),
-                         draft_temperature=draft_temperature)
-    result = verify(ids.to(device), x, seed=1234, step=torch.arange(rows, device=device), backend=backend,
-                    **draft_arg, **kw)
+    # Rows verified CHUNK at a time (seeded by their row index as step, so the same draws as one
+    # call): the GPU run's 10^5 rows at V = 1000 would hold gigabytes per test worker at once.
+    parts = []
+    for start in range(0, rows, CHUNK):
+        size = min(CHUNK, rows - start)
+        x = target.float().to(device)[None].expand(size, -1, -1)
+        if draft_temperature is None:
+            draft_arg = dict(draft_probs=q.float().to(device)[None].expand(size, -1, -1))
+        else:
+            draft_arg = dict(draft_logits=draft.float().to(device)[None].expand(size, -1, -1),
+                             draft_temperature=draft_temperature)
+        parts.append(verify(ids[start:start + size].to(device), x, seed=1234, backend=backend,
+                            step=torch.arange(start, start + size, device=device), **draft_arg, **kw))
+    result = [torch.cat(column) for column in zip(*parts)]
     p = np.stack([target_distribution(target[i].float().double().numpy(), kw) for i in range(n + 1)])
     return [t.cpu() for t in result], p, q.float().double().numpy()
 
