@@ -84,7 +84,8 @@ class Service:
         # Shared-memory regions of every client; CUDA ones only on this server's device.
         device = self.handle.device
         self.regions = RegionRegistry(config.max_regions, config.max_region_bytes,
-                                      devices=(device.index,) if device.type == "cuda" else ())
+                                      devices=(device.index,) if device.type == "cuda" else (),
+                                      pin_system=device.type == "cuda")
         self.metrics = Metrics()
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         try:

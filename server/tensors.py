@@ -105,6 +105,8 @@ class HostTensor(_Shaped):
     # The bytes are a registered system shared-memory region's (a lease of the call holds it):
     # on the CPU device the kernels read them in place.
     in_region: bool = False
+    # ... page-locked (a CUDA server's region): the device copies them by DMA, never staged.
+    pinned: bool = False
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "HostTensor":
@@ -114,7 +116,7 @@ class HostTensor(_Shaped):
 
     def reshape(self, *shape: int) -> "HostTensor":
         """The same bytes under another shape (one size may be -1)."""
-        return HostTensor(self.data, self.dtype, self._shape_of(shape), self.in_region)
+        return HostTensor(self.data, self.dtype, self._shape_of(shape), self.in_region, self.pinned)
 
     def torch(self) -> torch.Tensor:
         """A CPU tensor viewing the bytes; read it, never write it (the bytes are immutable)."""
@@ -196,7 +198,7 @@ def region_tensor(regions, ref, dtype: torch.dtype, shape: tuple[int, ...], name
     lease = regions.resolve(ref, dtype, shape, name)
     if lease.kind == CUDA:
         return DeviceTensor(lease.view, dtype, shape)
-    return HostTensor(lease.view, dtype, shape, True)
+    return HostTensor(lease.view, dtype, shape, True, lease.pinned)
 
 
 def tensor_field(message, name: str, path: str, in_place: Mapping[str, memoryview], *,

@@ -25,6 +25,7 @@ LIMITS = ops.Limits(max_rows=4096, max_vocab=262144)
 
 class FakeLease:
     kind = CUDA
+    pinned = False
 
     def __init__(self, view):
         self.view = view

@@ -3,15 +3,18 @@ regions, and how a batch of such calls launches.
 
 An input is read in place (:func:`reads_in_place`) when it is a :class:`~..tensors.DeviceTensor`
 (the client's CUDA memory, on the server's device), or a system-region
-:class:`~..tensors.HostTensor` on the CPU device. Every other input is staged as on the byte
-path (server/staging.py): on CUDA, one host-to-device copy of the batch's host pieces.
+:class:`~..tensors.HostTensor` on the CPU device. An input in a page-locked system region on a
+CUDA server (server/regions/pinning.py) is copied in (:func:`copies_in`): one DMA copy from the
+region to the device, no staging. Every other input is staged as on the byte path
+(server/staging.py): on CUDA, one host-to-device copy of the batch's host pieces.
 
 A batch takes the in-place path (:func:`launches_in_place`) when one of its calls reads an input
-in place or writes an output into device memory. A lone call whose in-place inputs and outputs
-are all in device memory replays a CUDA graph (:func:`graph_key`): a graph's inputs and outputs
-are fixed addresses, and a client's registered buffer keeps its address from call to call, so
-the graph is keyed by those addresses (and captured on a key's second use, where the client
-shows it reuses the buffer: ``LaunchGraphs.seen_again``). A region mapped at the same address
+in place or copies one in, or writes an output into device memory. A lone call whose in-place
+inputs and outputs are all in device memory or page-locked regions replays a CUDA graph
+(:func:`graph_key`; the graph holds the copies in and out): a graph's inputs and outputs are fixed
+addresses, and a client's registered buffer keeps its address from call to call, so the graph is
+keyed by those addresses (and captured on a key's second use, where the client shows it reuses
+the buffer: ``LaunchGraphs.seen_again``). A region mapped at the same address
 later, with the same shapes, replays the same graph correctly: it reads whatever the call's
 leases hold mapped there. Any other in-place batch launches eagerly on the launch thread. A
 lone call launches on its inputs where they are, and writes its outputs straight into their
@@ -39,11 +42,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from logitserve.kernels.copy import copy_by_kernel
 from logitserve.v1 import logitserve_pb2 as pb
 
 from ..regions import CUDA, RegionLease, check_outputs
 from ..staging import Staging
-from ..tensors import PB_DTYPES, DeviceTensor
+from ..tensors import PB_DTYPES, DeviceTensor, HostTensor
 
 GATHER = "gather"
 PER_CALL = "per-call"
@@ -62,22 +66,34 @@ def reads_in_place(t, device: torch.device) -> bool:
     return type(t) is DeviceTensor or (device.type == "cpu" and t.in_region)
 
 
+def copies_in(t, device: torch.device) -> bool:
+    """Whether input ``t`` reaches ``device`` by one DMA copy from its page-locked region."""
+    return type(t) is HostTensor and t.pinned and device.type == "cuda"
+
+
+def on_device(t, device: torch.device) -> torch.Tensor:
+    """Input ``t``, read in place or copied in, as a tensor the kernels read (launch thread, or
+    inside a graph's capture, which records the copy)."""
+    return t.torch().to(device, non_blocking=True) if copies_in(t, device) else t.torch()
+
+
 def launches_in_place(calls: list, device: torch.device) -> bool:
-    """Whether a batch of ``calls`` takes the in-place path: an input read in place, or an
-    output in device memory."""
+    """Whether a batch of ``calls`` takes the in-place path: an input read in place or copied
+    in, or an output in device memory."""
     for c in calls:
         if c.outputs is not None and c.outputs.on_device:
             return True
-        if any(reads_in_place(t, device) for t in c.inputs):
+        if any(reads_in_place(t, device) or copies_in(t, device) for t in c.inputs):
             return True
     return False
 
 
 def graph_key(call, handle):
     """The key of a lone in-place ``call``'s CUDA graph (its op key, then the address, shape and
-    dtype of every input read in place, contiguous, and the address of every output region), or
-    None where it launches eagerly: no graphs on this device, or an input or output in a system
-    region (a graph cannot read pageable memory) or on another device."""
+    dtype of every input read in place or copied in, contiguous, and the address of every output
+    region), or None where it launches eagerly: no graphs on this device, or an input or output
+    in a pageable system region (a graph cannot copy to or from pageable memory) or on another
+    device."""
     if handle.graphs is None or call.key is None:
         return None
     places = []
@@ -86,10 +102,14 @@ def graph_key(call, handle):
             if t.tensor.device != handle.device:
                 return None
             places.append((t.tensor.data_ptr(), t.shape, t.dtype))
+        elif copies_in(t, handle.device):
+            places.append(("host", t.torch().data_ptr(), t.shape, t.dtype))
         elif t.in_region:
             return None
     for name in sorted(call.outputs.slots) if call.outputs is not None else ():
         target = call.outputs.direct(name, handle.device)
+        if target is None:
+            target = call.outputs.pinned(name)
         if target is None:
             return None
         places.append((name, target.data_ptr()))
@@ -105,13 +125,13 @@ def launches_together(calls: list, handle) -> bool:
 def device_inputs(handle, *groups: list) -> list[torch.Tensor]:
     """Each group of pieces (HostTensor or DeviceTensor, one per call, same trailing shape)
     stacked along dim 0 on the device, on the launch thread. A group of one piece read in place
-    is that piece itself; host pieces of every group go in one staged transfer; a group mixing
-    them is gathered with one device copy (``torch.cat``)."""
+    (or copied in) is that piece itself; the other host pieces of every group go in one staged
+    transfer; a group mixing them is gathered with one device copy (``torch.cat``)."""
     device = handle.device
     stage = Staging()
     hosts = []
     for group in groups:
-        host = [p for p in group if not reads_in_place(p, device)]
+        host = [p for p in group if not (reads_in_place(p, device) or copies_in(p, device))]
         hosts.append(host)
         if host:
             stage.add(host)
@@ -122,12 +142,12 @@ def device_inputs(handle, *groups: list) -> list[torch.Tensor]:
         if len(host) == len(group):
             out.append(part)
         elif len(group) == 1:
-            out.append(group[0].torch())
+            out.append(on_device(group[0], device))
         else:
             pieces, row = [], 0
             for p in group:
-                if reads_in_place(p, device):
-                    pieces.append(p.torch())
+                if reads_in_place(p, device) or copies_in(p, device):
+                    pieces.append(on_device(p, device))
                 else:
                     pieces.append(part[row:row + p.shape[0]])
                     row += p.shape[0]
@@ -189,11 +209,23 @@ class Outputs:
         target = slot.lease.tensor()
         return target if target.device == device else None
 
+    def pinned(self, name: str) -> torch.Tensor | None:
+        """Output ``name``'s region as a host tensor, where it is page-locked system memory (which
+        the device writes itself: :meth:`put`); else None."""
+        slot = self.slots.get(name)
+        return slot.lease.tensor() if slot is not None and slot.lease.pinned else None
+
     def put(self, name: str, value: torch.Tensor) -> None:
         """Write ``value`` (output ``name``, any device) into its region, unless a kernel wrote it
-        there already (``out=``). On the launch thread: on CUDA the copy is ordered on its stream."""
-        target = self.slots[name].lease.tensor()
+        there already (``out=``). On the launch thread: on CUDA the copy is ordered on its stream.
+        From the device into a page-locked region the copy is a kernel writing host memory, which
+        a CUDA graph captures (a copy into pageable memory waits for the stream: it cannot be)."""
+        lease = self.slots[name].lease
+        target = lease.tensor()
         if target.device == value.device and target.data_ptr() == value.data_ptr():
+            return
+        if lease.pinned and value.device.type == "cuda":
+            copy_by_kernel(value.reshape(target.shape).contiguous(), target)
             return
         target.copy_(value.reshape(target.shape))
 

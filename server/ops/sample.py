@@ -24,7 +24,7 @@ from ..tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, from_t
                        tensor_field)
 from .batching import split, split_rows
 from .limits import Limits, answer_bytes
-from .resident import Outputs, device_inputs, graph_key, launches_in_place, launches_together
+from .resident import Outputs, device_inputs, graph_key, launches_in_place, launches_together, on_device
 from .sample_processors import launch_processed
 from .sample_processors import parse as parse_processors
 
@@ -243,10 +243,9 @@ def _param_names(calls: list[SampleCall]) -> tuple[str, ...]:
 
 
 async def _replay_in_place(call: SampleCall, key, handle) -> "SampleResult":
-    """A lone call on logits in the client's device memory, from the CUDA graph of ``key``
-    (server/ops/resident.py): the parameters staged as on the byte path, the outputs written into
-    their regions by the graph."""
-    logits = call.logits.torch()
+    """A lone call on logits in the client's device memory (or copied in from a page-locked
+    region), from the CUDA graph of ``key`` (server/ops/resident.py): the parameters staged as on
+    the byte path, the outputs written into their regions by the graph."""
     names, rows = _param_names([call]), call.rows
 
     def stage_for(batch_rows: int) -> Staging:
@@ -258,6 +257,7 @@ async def _replay_in_place(call: SampleCall, key, handle) -> "SampleResult":
     def launch(float_rows, int_rows):
         # The graph's padding rows of parameters are not read: the logits have the call's rows.
         params = dict(zip(names, (*float_rows[:rows].unbind(1), *int_rows[:rows].unbind(1))))
+        logits = on_device(call.logits, handle.device)  # captured with the copy in, if any
         tokens = kernels.sample(logits, **params, filter_order=call.filter_order, backend=handle.backend)
         call.put_outputs(tokens, params[SEED.name])
         return (tokens,)

@@ -38,6 +38,7 @@ class Region:
         self.mmap: mmap.mmap | None = None
         self.buf: memoryview | None = None  # the region's bytes, [offset, offset + byte_size) of the object
         self.object_end = offset + byte_size  # the object must stay at least this long
+        self.unpin = None  # set where the mapping is page-locked (server/regions/pinning.py)
         # CUDA
         self.base_ptr = 0  # the opened allocation's base
         self.device_bytes = None  # torch uint8 tensor over [base, base + offset + byte_size)
@@ -49,8 +50,10 @@ class Region:
 
     def close(self) -> None:
         if self.kind == SYSTEM:
-            buf, mapping, fd = self.buf, self.mmap, self.fd
-            self.buf = self.mmap = self.fd = None
+            buf, mapping, fd, unpin = self.buf, self.mmap, self.fd, self.unpin
+            self.buf = self.mmap = self.fd = self.unpin = None
+            if unpin is not None:  # before the mapping can go
+                unpin()
             if buf is not None:
                 buf.release()
             if mapping is not None:
@@ -88,6 +91,11 @@ class RegionLease:
     @property
     def released(self) -> bool:
         return self._region is None
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the slice is page-locked system memory (the device copies it by DMA)."""
+        return self._region is not None and self._region.unpin is not None
 
     def tensor(self):
         """The slice as a torch tensor of ``dtype`` and ``shape``, sharing its memory (CPU for

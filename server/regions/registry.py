@@ -24,17 +24,19 @@ class RegionRegistry:
     ``max_mapped_bytes`` their bytes (system: the length mapped; CUDA: offset + byte_size);
     registering past either raises :class:`~.errors.TooLarge`. ``devices``, when given, are the
     CUDA device indices a CUDA region may be on (the server's device); ``shm_dir`` is where the
-    system's POSIX shared-memory objects are.
+    system's POSIX shared-memory objects are; ``pin_system`` page-locks each system region at
+    registration (a CUDA server: server/regions/pinning.py).
     """
 
     def __init__(self, max_regions: int = DEFAULT_MAX_REGIONS, max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES,
-                 *, devices: Iterable[int] | None = None, shm_dir: str = SHM_DIR):
+                 *, devices: Iterable[int] | None = None, shm_dir: str = SHM_DIR, pin_system: bool = False):
         if max_regions < 0 or max_mapped_bytes < 0:
             raise ValueError("max_regions and max_mapped_bytes must be >= 0")
         self.max_regions = max_regions
         self.max_mapped_bytes = max_mapped_bytes
         self.devices = None if devices is None else frozenset(devices)
         self.shm_dir = shm_dir
+        self.pin_system = pin_system
         self._lock = threading.Lock()
         self._regions: dict[tuple[object, str], Region] = {}  # (owner, name) -> registered region
         self._reserved: set[tuple[object, str]] = set()  # names being registered (CUDA opens unlocked)
@@ -104,7 +106,8 @@ class RegionRegistry:
         with self._lock:
             self._reserve(owner, name, length)
             try:
-                region = map_system(self.shm_dir, name, owner, plain, offset, byte_size, page_start, length)
+                region = map_system(self.shm_dir, name, owner, plain, offset, byte_size, page_start, length,
+                                    self.pin_system)
             except BaseException:
                 self._unreserve(owner, name, length)
                 raise

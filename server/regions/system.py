@@ -10,12 +10,14 @@ import os
 import stat
 
 from .names import SYSTEM
+from .pinning import pin
 from .region import Region
 
 
-def map_system(shm_dir: str, name, owner, plain, offset, byte_size, page_start, length) -> Region:
+def map_system(shm_dir: str, name, owner, plain, offset, byte_size, page_start, length, pinned: bool) -> Region:
     """Map ``[page_start, page_start + length)`` of the object ``plain`` in ``shm_dir`` as region ``name``
-    (its bytes from ``offset``, ``byte_size`` long); ``ValueError`` naming the key when it cannot be."""
+    (its bytes from ``offset``, ``byte_size`` long), page-locked with ``pinned`` (server/regions/pinning.py);
+    ``ValueError`` naming the key when it cannot be."""
     path = os.path.join(shm_dir, plain)
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     writable = True
@@ -45,5 +47,7 @@ def map_system(shm_dir: str, name, owner, plain, offset, byte_size, page_start, 
         raise
     region = Region(name, owner, SYSTEM, plain, offset, byte_size, 0, length, writable)
     region.fd, region.mmap = fd, mapping
+    if pinned:
+        region.unpin = pin(mapping, writable, repr(name))
     region.buf = memoryview(mapping)[offset - page_start:]
     return region
