@@ -91,18 +91,22 @@ def launches_in_place(calls: list, device: torch.device) -> bool:
 def graph_key(call, handle):
     """The key of a lone in-place ``call``'s CUDA graph (its op key, then the address, shape and
     dtype of every input read in place or copied in, contiguous, and the address of every output
-    region), or None where it launches eagerly: no graphs on this device, or an input or output
-    in a pageable system region (a graph cannot copy to or from pageable memory) or on another
-    device."""
+    region), or None where it launches eagerly: no graphs on this device, an input or output in a
+    pageable system region (a graph cannot copy to or from pageable memory) or on another device,
+    or inputs copied in of more than the graphs' ``max_bytes`` (each graph would hold a device
+    copy of them; at that size the copy, not the host's launch work, takes the time)."""
     if handle.graphs is None or call.key is None:
         return None
-    places = []
+    places, copied_in = [], 0
     for t in call.inputs:
         if type(t) is DeviceTensor:
             if t.tensor.device != handle.device:
                 return None
             places.append((t.tensor.data_ptr(), t.shape, t.dtype))
         elif copies_in(t, handle.device):
+            copied_in += t.numel() * t.element_size()
+            if copied_in > handle.graphs.max_bytes:
+                return None
             places.append(("host", t.torch().data_ptr(), t.shape, t.dtype))
         elif t.in_region:
             return None
