@@ -10,7 +10,10 @@ so ``bytes_moved = N*E*element_size + N*k*(4 + 4)``. At 16384x256 bfloat16, k=8,
 ``route_experts grouped``: DeepSeek-V3's router (sigmoid, correction bias, 8 groups keep 4 by
 their two best biased scores, k=8, renormalize, scaling 2.5) at 16384x256 bfloat16 (target
 <= 20 us on the H100), beside a torch implementation of the same semantics (vLLM's eager
-``grouped_topk``, with the dropped experts at -inf); the bias's 1 KB is not counted.
+``grouped_topk``, with the dropped experts at -inf) and, where its wheels are installed,
+FlashInfer's DeepSeek-V3 routing kernel (``flashinfer.fused_moe.NoAuxTc``; it takes the bias in
+the logits' dtype, so its bias is the float32 one rounded to bfloat16); the bias's 1 KB is not
+counted.
 """
 
 from __future__ import annotations
@@ -69,6 +72,20 @@ def _torch_grouped_topk(x: torch.Tensor, bias: torch.Tensor, k: int, n_group: in
     return weights, indices.to(torch.int32)
 
 
+def _flashinfer_grouped(k: int):
+    """FlashInfer's DeepSeek-V3 router writing into outputs made once, or None without FlashInfer."""
+    try:
+        from flashinfer.fused_moe import NoAuxTc
+    except ImportError:
+        return None
+
+    def route(x, bias, out):
+        NoAuxTc(x, bias, GROUPED["n_group"], GROUPED["topk_group"], k, GROUPED["routed_scaling_factor"], *out)
+        return out
+
+    return route
+
+
 def grouped_cases(device: torch.device):
     compiled = maybe_compile(_torch_grouped_topk)
     for n, e, k in GROUPED_SHAPES:
@@ -83,3 +100,8 @@ def grouped_cases(device: torch.device):
         if compiled is not None:
             yield Case("route_experts grouped", shape, "bfloat16", "torch.compile",
                        lambda x=x, b=bias, k=k: compiled(x, b, k), nbytes)
+        flashinfer = _flashinfer_grouped(k)
+        if flashinfer is not None:
+            out = (torch.empty(n, k, device=device), torch.empty(n, k, device=device, dtype=torch.int32))
+            yield Case("route_experts grouped", shape, "bfloat16", "FlashInfer NoAuxTc",
+                       lambda x=x, b=bias.to(x.dtype), out=out: flashinfer(x, b, out), nbytes)

@@ -8,6 +8,10 @@ from ..tensors import HostTensor
 from .route_experts import ROUTE_DTYPES, RouteExpertsCall, Router
 from .sample import SampleCall
 from .tensor_ops import CausalSoftmaxCall, SiluCall, SoftmaxCall
+from .verify_draft import VerifyDraftCall
+
+# Draft tokens per row the verifier warms up at (the length is a runtime argument of its kernels).
+WARMUP_DRAFT = 4
 
 # Batch sizes warm-up runs at: one of each class Triton specialises an integer on (== 1,
 # divisible by 16, neither).
@@ -35,8 +39,14 @@ def warmup_calls(dtype: torch.dtype, widths: tuple[int, ...]) -> list[tuple[str,
                 (f"sample random_val {b}x{w}", SampleCall(logits, 0.8, 50, 0.9, 0.0, seeds, 0, "top_k_first", 0.5)),
                 (f"softmax {b}x{w}", SoftmaxCall(logits, 1)),
             ]
-    # VerifyDraft is compiled by its first call, not here: its compiled Triton kernels have not
-    # yet run on a GPU, and a warm-up that failed would keep the whole server from SERVING.
+            ids = HostTensor.of(torch.randint(0, w, (b, WARMUP_DRAFT), generator=gen))
+            target = HostTensor.of(torch.randn(b, WARMUP_DRAFT + 1, w, generator=gen).to(dtype))
+            draft = HostTensor.of(torch.randn(b, WARMUP_DRAFT, w, generator=gen).to(dtype))
+            values = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.0, draft_temperature=1.0, seed=seeds, step=0)
+            for order in ("top_k_first", "joint"):
+                for from_logits in (False, True):  # a draft's probabilities, or its logits
+                    cases.append((f"verify_draft {order} {'logits' if from_logits else 'probs'} {b}x{w}",
+                                  VerifyDraftCall(ids, draft, from_logits, target, values, order)))
     x = HostTensor.of(torch.randn(2, 4, 8, generator=gen).to(dtype))
     cases += [
         ("causal_softmax", CausalSoftmaxCall(x)),
