@@ -27,8 +27,11 @@ def _copy_words(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as 32-bit words (or bytes, when their count is not a multiple of 4)."""
-    flat = t.reshape(-1).view(torch.uint8)
+    """``t``'s bytes (``t`` contiguous) as 32-bit words (or bytes, when their count is not a
+    multiple of 4)."""
+    # as_strided, not reshape: torch calls a one-element column of a wider tensor contiguous
+    # while its stride stays the row's, and a dtype view refuses that stride.
+    flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
     return flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
 
 

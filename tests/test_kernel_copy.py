@@ -34,3 +34,13 @@ def test_unequal_sizes_and_strided_tensors_are_refused():
         copy_by_kernel(torch.zeros(4, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), backend="interpret")
     with pytest.raises(ValueError, match="must be contiguous"):
         copy_by_kernel(torch.zeros(4, 4)[:, 0], torch.zeros(4), backend="interpret")
+
+
+def test_a_one_element_column_of_a_wider_tensor_copies():
+    # torch calls it contiguous though its stride is the row's (a seeds column of one row).
+    rows = torch.tensor([[7, 8, 9]], dtype=torch.int64)
+    column = rows[:, 1]
+    assert column.is_contiguous() and column.stride() == (3,)
+    dst = torch.full((1,), -1, dtype=torch.int64)
+    copy_by_kernel(column, dst, backend="interpret")
+    assert dst.tolist() == [8]

@@ -55,15 +55,19 @@ def server():
         yield s
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_reused_system_region_replays_a_graph_that_follows_each_call(server, dtype):
-    rows, vocab = 4, 50021
+@pytest.mark.parametrize("dtype, rows", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 1)])
+def test_a_reused_system_region_replays_a_graph_that_follows_each_call(server, dtype, rows):
+    vocab = 50021
     logits_buf = client_regions.shared_tensor((rows, vocab), dtype)
     out_buf = client_regions.shared_array((rows,), "int64")
+    seeds_buf = client_regions.shared_array((rows,), "int64")
+    valid_buf = client_regions.shared_array((rows,), "bool")
     graphs = server.service.handle.graphs
     with Client(server.target, timeout=600) as client:
         client.register("in", logits_buf)
         client.register("out", out_buf)
+        client.register("seeds", seeds_buf)
+        client.register("valid", valid_buf)
         captures, replays = graphs.captures, graphs.replays
         try:
             for i in range(5):
@@ -71,17 +75,22 @@ def test_a_reused_system_region_replays_a_graph_that_follows_each_call(server, d
                 logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
                 logits_buf.tensor.copy_(logits)
                 seeds = np.arange(rows, dtype=np.int64) + 10 * i
+                for buf in (out_buf, seeds_buf):
+                    buf.array[:] = -1  # poisoned: every output must be written by this call
+                valid_buf.array[:] = False
                 result = client.sample(logits_buf.tensor, temperature=0.7 + 0.1 * i, top_k=40, seed=seeds, step=i,
-                                       out={"token_ids": out_buf.array})
+                                       out={"token_ids": out_buf.array, "seeds": seeds_buf.array,
+                                            "valid": valid_buf.array})
                 expect = kernels.sample(logits.to(DEVICE), temperature=0.7 + 0.1 * i, top_k=40,
                                         seed=torch.from_numpy(seeds).to(DEVICE), step=i, backend="triton")
                 np.testing.assert_array_equal(out_buf.array, expect.cpu().numpy(), err_msg=f"call {i}")
                 np.testing.assert_array_equal(np.asarray(result.token_ids), expect.cpu().numpy())
+                np.testing.assert_array_equal(seeds_buf.array, seeds)
+                assert valid_buf.array.all()
         finally:
             client.unregister()
     # The first call launched eagerly, the second captured, the last three replayed.
     assert graphs.captures - captures == 1 and graphs.replays - replays >= 3
-    logits_buf.close()
-    logits_buf.unlink()
-    out_buf.close()
-    out_buf.unlink()
+    for buf in (logits_buf, out_buf, seeds_buf, valid_buf):
+        buf.close()
+        buf.unlink()

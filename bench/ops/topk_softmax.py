@@ -12,8 +12,8 @@ their two best biased scores, k=8, renormalize, scaling 2.5) at 16384x256 bfloat
 <= 20 us on the H100), beside a torch implementation of the same semantics (vLLM's eager
 ``grouped_topk``, with the dropped experts at -inf) and, where its wheels are installed,
 FlashInfer's DeepSeek-V3 routing kernel (``flashinfer.fused_moe.NoAuxTc``; it takes the bias in
-the logits' dtype, so its bias is the float32 one rounded to bfloat16); the bias's 1 KB is not
-counted.
+the logits' dtype, so its bias is the float32 one rounded to bfloat16, and writes its weights in
+that dtype too); the bias's 1 KB is not counted.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def grouped_cases(device: torch.device):
                        lambda x=x, b=bias, k=k: compiled(x, b, k), nbytes)
         flashinfer = _flashinfer_grouped(k)
         if flashinfer is not None:
-            out = (torch.empty(n, k, device=device), torch.empty(n, k, device=device, dtype=torch.int32))
+            # NoAuxTc writes its weights in the logits' dtype (it refuses float32 outputs for them).
+            out = (torch.empty(n, k, device=device, dtype=x.dtype), torch.empty(n, k, device=device, dtype=torch.int32))
             yield Case("route_experts grouped", shape, "bfloat16", "FlashInfer NoAuxTc",
                        lambda x=x, b=bias.to(x.dtype), out=out: flashinfer(x, b, out), nbytes)
