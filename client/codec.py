@@ -102,7 +102,7 @@ def _torch_parts(t, name: str) -> tuple[int, tuple[int, ...], memoryview]:
     if dtype is None:
         raise TypeError(f"{name}: dtype {t.dtype} has no wire dtype; use one of {', '.join(_BY_NAME)}")
     shape = tuple(t.shape)
-    if (t.is_contiguous() and t.device.type == "cpu" and not (t.is_conj() or t.is_neg())
+    if (t.is_contiguous() and t.device.type == "cpu" and not t.is_neg()  # (the conjugate bit is complex's: no wire dtype)
             and (sys.byteorder == "little" or t.element_size() == 1)):
         # The tensor's memory read by address: the six dispatcher calls of the general path below
         # (detach, to, contiguous, reshape, view, numpy) cost a bfloat16 tensor (numpy has none,
@@ -111,7 +111,7 @@ def _torch_parts(t, name: str) -> tuple[int, tuple[int, ...], memoryview]:
         return dtype, shape, memoryview(np.asarray(_TensorMemory(t, nbytes)) if nbytes else np.empty(0, np.uint8))
     import torch
 
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    flat = t.detach().to("cpu").resolve_neg().contiguous().reshape(-1)  # a negative view's values, not its memory
     raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
     if sys.byteorder != "little" and t.element_size() > 1:
         size = t.element_size()

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
 import numpy as np
@@ -101,16 +99,8 @@ def _number_tree(descriptor, paths) -> dict:
 
 # Where a bytes object's elements start, from its address (CPython's PyBytesObject.ob_sval).
 _BYTES_DATA = bytes.__basicsize__ - 1
-# Requests at least this large are written into a buffer (Recycler's, else a new one) by address
-# rather than joined: 1 MiB, so that 16 rows of 128256 bfloat16 (4,104,192 bytes) are too.
-RECYCLE_MIN_BYTES = 1 << 20
-# A piece at least this large is copied by up to COPY_THREADS threads at once, in slices of at
-# least PARALLEL_MIN_BYTES: one core's memcpy (about 10 GB/s) falls well short of the memory's
-# bandwidth, and ctypes.memmove releases the GIL. The pool's threads start on first use.
-PARALLEL_MIN_BYTES = 1 << 20
-COPY_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-_copy_pool: ThreadPoolExecutor | None = None
-_copy_pool_lock = threading.Lock()
+# Requests at least this large are written into a recycled buffer (Recycler).
+RECYCLE_MIN_BYTES = 4 << 20
 
 
 class Recycler:
@@ -146,48 +136,20 @@ class Recycler:
                 self._spare = buf
 
 
-# CPython's constructor of a bytes object of a given size, its elements left unwritten.
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize if Recycler.enabled else None
-if _new_bytes is not None:
-    _new_bytes.argtypes, _new_bytes.restype = (ctypes.c_char_p, ctypes.c_ssize_t), ctypes.py_object
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _copy_pool
-    with _copy_pool_lock:
-        if _copy_pool is None:
-            _copy_pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="logitserve-copy")
-        return _copy_pool
-
-
-def _copy(dest: int, source: int, n: int) -> None:
-    """``n`` bytes from address ``source`` to ``dest``; a large copy split among threads."""
-    slices = min(COPY_THREADS, n // PARALLEL_MIN_BYTES)
-    if slices < 2:
-        ctypes.memmove(dest, source, n)
-        return
-    step = -(-n // slices)
-    helpers = [_pool().submit(ctypes.memmove, dest + at, source + at, min(step, n - at))
-               for at in range(step, n, step)]
-    ctypes.memmove(dest, source, step)  # this thread's share, while the helpers copy theirs
-    for helper in helpers:
-        helper.result()
-
-
 def _write(pieces: list, size: int, into: bytes | None) -> bytes:
-    """``b"".join(pieces)`` (``size`` bytes), written into ``into`` when given, else joined
-    (small requests, or not CPython) or written into a new bytes object."""
+    """``b"".join(pieces)`` (``size`` bytes), written into ``into`` when given."""
     if into is None:
-        if size < RECYCLE_MIN_BYTES or _new_bytes is None:
-            return b"".join(pieces)
-        into = _new_bytes(None, size)
+        return b"".join(pieces)
     address = id(into) + _BYTES_DATA
     pos = 0
     for piece in pieces:
+        if isinstance(piece, bytes):  # the message's own bytes around the tensors: ctypes takes them as they are
+            ctypes.memmove(address + pos, piece, len(piece))
+            pos += len(piece)
+            continue
         n = memoryview(piece).nbytes
         if n:
-            source = np.frombuffer(piece, dtype=np.uint8)
-            _copy(address + pos, source.__array_interface__["data"][0], n)
+            ctypes.memmove(address + pos, np.frombuffer(piece, dtype=np.uint8).__array_interface__["data"][0], n)
             pos += n
     if pos != size:
         raise AssertionError(f"wrote {pos} bytes into a buffer of {size}")
