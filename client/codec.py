@@ -102,8 +102,9 @@ def _torch_parts(t, name: str) -> tuple[int, tuple[int, ...], memoryview]:
     if dtype is None:
         raise TypeError(f"{name}: dtype {t.dtype} has no wire dtype; use one of {', '.join(_BY_NAME)}")
     shape = tuple(t.shape)
-    if (t.is_contiguous() and t.device.type == "cpu" and not t.is_neg()  # (the conjugate bit is complex's: no wire dtype)
-            and (sys.byteorder == "little" or t.element_size() == 1)):
+    # (No conjugate bit to check: it is complex's, which has no wire dtype.)
+    if t.is_contiguous() and t.device.type == "cpu" and not t.is_neg() and (sys.byteorder == "little"
+                                                                            or t.element_size() == 1):
         # The tensor's memory read by address: the six dispatcher calls of the general path below
         # (detach, to, contiguous, reshape, view, numpy) cost a bfloat16 tensor (numpy has none,
         # so bfloat16 always comes as torch) about 25 us a call, cache-cold more, against numpy's 2.
