@@ -7,8 +7,9 @@ number of rows and does nothing else (it reads the request's header in place, ne
 logits), so what differs between the columns is the client's own work on the same transport:
 
 - ``raw``: the request serialized before timing, sent as bytes, the answer not parsed;
-- ``Client``: ``logitserve.client.Client.sample`` from a float32 numpy array (the request's
-  tensor bytes copied once, the answer read in place; client/wire.py);
+- ``Client``: ``logitserve.client.Client.sample`` from a float32 numpy array or a bfloat16 torch
+  tensor (``--dtypes``; numpy has no bfloat16), the request's tensor bytes copied once, the answer
+  read in place (client/wire.py);
 - ``Client before``: the client as it was before (``git show BASE:client``, ``--base``): the
   message built with ``tobytes`` and serialized by protobuf, the answer parsed by protobuf.
 
@@ -90,7 +91,8 @@ def old_client_module(base: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="16,64,256", help="comma-separated rows of 128256 float32 logits")
+    parser.add_argument("--rows", default="16,64,256", help="comma-separated rows of 128256 logits")
+    parser.add_argument("--dtypes", default="f32", help="comma-separated: f32 (numpy), bf16 (torch)")
     parser.add_argument("--calls", type=int, default=15, help="timed calls per column and size")
     parser.add_argument("--base", default="9e86efb", help="git revision of the client before (default 9e86efb)")
     parser.add_argument("--out", help="also write the table here")
@@ -113,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         before = old.Client(target, timeout=120) if old else None
         lines += ["| logits | MB | raw ms | Client ms | Client / raw | Client before ms | before / raw |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
-        for rows in (int(r) for r in args.rows.split(",")):
+        for dtype, rows in ((d, int(r)) for d in args.dtypes.split(",") for r in args.rows.split(",")):
             logits = np.random.default_rng(rows).standard_normal((rows, VOCAB), dtype=np.float32)
+            if dtype == "bf16":
+                import torch
+
+                logits = torch.from_numpy(logits).to(torch.bfloat16)
             kw = dict(temperature=0.8, top_k=50, top_p=0.9, seed=np.arange(rows))
             request = client._encoder()
             msg = __import__("logitserve.client.messages", fromlist=["x"]).build_sample(request, (), logits, **kw)
@@ -132,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                     times[name].append((time.perf_counter() - t0) * 1e3)
             p50 = {k: statistics.median(v) for k, v in times.items()}
             b = p50.get("before", float("nan"))
-            lines.append(f"| {rows}x{VOCAB} f32 | {logits.nbytes / 1e6:.1f} | {p50['raw']:.1f} | {p50['client']:.1f} "
+            nbytes = logits.numel() * logits.element_size() if dtype == "bf16" else logits.nbytes
+            lines.append(f"| {rows}x{VOCAB} {dtype} | {nbytes / 1e6:.1f} | {p50['raw']:.1f} | {p50['client']:.1f} "
                          f"| {p50['client'] / p50['raw']:.2f}x | {b:.1f} | {b / p50['raw']:.2f}x |")
             print(lines[-1], file=sys.stderr, flush=True)
         client.close()

@@ -143,10 +143,13 @@ def _write(pieces: list, size: int, into: bytes | None) -> bytes:
     address = id(into) + _BYTES_DATA
     pos = 0
     for piece in pieces:
+        if isinstance(piece, bytes):  # the message's own bytes around the tensors: ctypes takes them as they are
+            ctypes.memmove(address + pos, piece, len(piece))
+            pos += len(piece)
+            continue
         n = memoryview(piece).nbytes
         if n:
-            source = np.frombuffer(piece, dtype=np.uint8)
-            ctypes.memmove(address + pos, source.__array_interface__["data"][0], n)
+            ctypes.memmove(address + pos, np.frombuffer(piece, dtype=np.uint8).__array_interface__["data"][0], n)
             pos += n
     if pos != size:
         raise AssertionError(f"wrote {pos} bytes into a buffer of {size}")

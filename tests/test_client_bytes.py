@@ -218,3 +218,41 @@ def test_the_server_receives_those_bytes(recorder, lib, dtype):
             assert got == ["0", "1", "2"]
 
     asyncio.run(main())
+
+
+def _general_parts(t):
+    """A torch tensor's wire bytes the general way (detach, contiguous, flat, bytes): what the
+    address path of codec.tensor_parts must give."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(64, 1000).to(torch.bfloat16),  # contiguous: read by address
+    lambda: torch.randn(64, 1000).to(torch.bfloat16)[:, ::3],  # strided view: copied once
+    lambda: torch.randn(64, 1000).to(torch.bfloat16).t(),
+    lambda: torch.randn(6, 10).to(torch.bfloat16)[2:4],  # contiguous at an offset into its storage
+    lambda: torch.tensor(1.5, dtype=torch.bfloat16),  # 0-d
+    lambda: torch.tensor([-2.25], dtype=torch.bfloat16),  # 1 element
+    lambda: torch.zeros(0, 7, dtype=torch.bfloat16),  # empty
+    lambda: torch.randn(4, 5, requires_grad=True),  # autograd: read without detach
+    lambda: torch._neg_view(torch.randn(4, 5)),  # the negative bit: materialized, not read raw
+    lambda: torch.arange(10, dtype=torch.int64), lambda: torch.tensor([True, False, True]),
+    lambda: torch.randn(3, 128256).to(torch.bfloat16),
+])
+def test_torch_tensors_give_their_wire_bytes(make):
+    t = make()
+    dtype, shape, data = codec.tensor_parts(t)
+    assert bytes(data) == _general_parts(t.resolve_neg()) and shape == tuple(t.shape)
+    if t.is_contiguous() and not t.is_neg() and t.numel():
+        assert np.frombuffer(data, np.uint8).__array_interface__["data"][0] == t.data_ptr()  # not copied
+    if t.ndim == 2 and t.numel():
+        assert codec.decode_torch(codec.encode(t)).equal(t.detach().resolve_neg())
+        enc, msg = _build(messages.build_softmax, dict(x=t))
+        assert enc.serialize(msg, wire.Recycler()) == _reference(messages.build_softmax, dict(x=t))
+
+
+def test_a_tensor_read_by_address_stays_alive_while_its_bytes_are_held():
+    data = codec.tensor_parts(torch.full((1000,), 3.0, dtype=torch.bfloat16))[2]  # the tensor is unnamed
+    __import__("gc").collect()
+    torch.zeros(1000, dtype=torch.bfloat16)  # an allocation that could reuse freed memory
+    assert bytes(data) == torch.full((1000,), 3.0, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
