@@ -17,8 +17,10 @@ server, as a frontend would not).
 - ``raw``: the same request serialized before timing, sent as bytes, the answer not parsed;
 - ``echo``: those bytes to the echo server (the transport floor for that payload);
 - ``system shm``: the logits in a POSIX shared-memory region registered through the client,
-  ``token_ids`` / ``seeds`` / ``valid`` written into another (the server copies the logits to
-  the device once);
+  ``token_ids`` / ``seeds`` / ``valid`` written into another (the server page-locked both at
+  registration and copies the logits to the device once, by DMA);
+- ``H2D copy`` (CUDA): one copy of the logits from page-locked host memory to the device, in the
+  client process: what the system shm path may cost beyond CUDA IPC;
 - ``CUDA IPC``: the logits in a torch CUDA tensor registered through the client (the kernel
   reads them where they are), the outputs written into the client's device memory;
 - ``RouteExperts 1x8``: ``Client.route_experts`` of 1x8 float32 logits, k=2, measured beside
@@ -150,7 +152,14 @@ def measure_paths(target: str, echo: str, device: str, rows_list, vocab: int, dt
                         kernel_sample(dev_logits, **PARAMS, seed=seeds_dev)
                         torch.cuda.synchronize(device)
 
+                    pinned_logits, device_copy = host.pin_memory(), torch.empty_like(dev_logits)
+
+                    def host_to_device():
+                        device_copy.copy_(pinned_logits, non_blocking=True)
+                        torch.cuda.synchronize(device)
+
                     columns["kernel"] = kernel
+                    columns["h2d"] = host_to_device
                     columns["cuda"] = lambda: client.sample(dev_logits, **kw, out=outs_dev)
                 else:
                     seeds_t = torch.from_numpy(seeds)
@@ -264,13 +273,14 @@ def _ms(value: float | None) -> str:
 
 
 def table_paths(rows: list[dict], cuda: bool) -> list[str]:
-    lines = ["| logits | MB | kernel | Client (bytes) | raw | echo | system shm | CUDA IPC | RouteExperts 1x8 "
-             "| Client / raw | tokens equal |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| logits | MB | kernel | Client (bytes) | raw | echo | system shm | H2D copy | CUDA IPC "
+             "| RouteExperts 1x8 | Client / raw | tokens equal |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['rows']}x{r['vocab']} {r['dtype']} | {r['mb']:.1f} | {_ms(r['kernel'])} | {_ms(r['client'])} "
-                     f"| {_ms(r['raw'])} | {_ms(r['echo'])} | {_ms(r['shm'])} | {_ms(r.get('cuda')) if cuda else 'n/a'} "
-                     f"| {_ms(r['route'])} | {r['client'] / r['raw']:.2f}x | {'yes' if r['same'] else 'NO'} |")
+                     f"| {_ms(r['raw'])} | {_ms(r['echo'])} | {_ms(r['shm'])} | {_ms(r.get('h2d')) if cuda else 'n/a'} "
+                     f"| {_ms(r.get('cuda')) if cuda else 'n/a'} | {_ms(r['route'])} | {r['client'] / r['raw']:.2f}x "
+                     f"| {'yes' if r['same'] else 'NO'} |")
     return lines
 
 
