@@ -92,11 +92,6 @@ class DeviceHandle:
         # (run_batch). It may raise (a device fault: those calls fail, INTERNAL) or sleep (a slow
         # device).
         self.before_launch: Callable[[list], None] | None = None
-        # How a batch of several calls reading regions in place launches (server/ops/resident.py:
-        # "gather" or "per-call"; None: its default). An in-process hook for
-        # bench/region_batching.py (python -m logitserve.server.process --region-batching), never
-        # set from the wire.
-        self.region_batching: str | None = None
 
     @property
     def properties(self) -> dict:

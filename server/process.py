@@ -9,10 +9,8 @@ For tests and benchmarks that need a real server process (signals, ports, exit c
 
 ``python -m logitserve.server.process [--launch-delay-ms N] -- <serve flags>`` runs ``logitserve
 serve`` with the device handle's in-process fault-injection hook (``DeviceHandle.before_launch``) set to sleep N ms
-before every launch: a slow batch, to fill the queue or to have calls in flight at SIGTERM; and
-``--region-batching gather|per-call`` sets how batches of calls reading regions in place launch
-(``DeviceHandle.region_batching``, for bench/region_batching.py). The hooks are attributes set
-inside this process; nothing on the wire can set them.
+before every launch: a slow batch, to fill the queue or to have calls in flight at SIGTERM. The
+hook is an attribute set inside this process; nothing on the wire can set it.
 
 The child's JSON log lines (stderr) are read by a thread into :attr:`ServerProcess.events`, so
 the pipe never fills; :meth:`ServerProcess.wait_for` waits for an event such as ``"serving"``.
@@ -34,11 +32,8 @@ class ServerProcess:
     """A ``logitserve serve`` child on 127.0.0.1; ``port=0`` picks a free port."""
 
     def __init__(self, *serve_args: str, port: int = 0, launch_delay_ms: float = 0.0, device: str = "cpu",
-                 backend: str = "torch", start_timeout: float = 180.0, env: dict | None = None,
-                 region_batching: str | None = None):
-        hooks = ["--region-batching", region_batching] if region_batching else []
-        argv = [sys.executable, "-m", "logitserve.server.process", "--launch-delay-ms", str(launch_delay_ms), *hooks,
-                "--",
+                 backend: str = "torch", start_timeout: float = 180.0, env: dict | None = None):
+        argv = [sys.executable, "-m", "logitserve.server.process", "--launch-delay-ms", str(launch_delay_ms), "--",
                 "--host", "127.0.0.1", "--port", str(port), "--device", device, "--backend", backend, *serve_args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
@@ -124,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
                                      description="logitserve serve with a slow-launch test hook")
     parser.add_argument("--launch-delay-ms", type=float, default=0.0,
                         help="sleep this long on the device thread before every batched launch")
-    parser.add_argument("--region-batching", choices=("gather", "per-call"), default=None,
-                        help="how batches of calls reading regions in place launch (default: the server's)")
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then the flags of logitserve serve")
     args = parser.parse_args(argv)
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
@@ -139,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
         service, port = create_server(config)
         if delay > 0:
             service.handle.before_launch = lambda calls: time.sleep(delay)
-        service.handle.region_batching = args.region_batching
         return service, port
 
     app.create_server = create_with_hook  # cli.serve imports it from app when it runs

@@ -266,18 +266,9 @@ def test_the_server_reads_the_region_in_place(alice, arenas):
 # ----------------------------------------------------------------------------- concurrency
 
 
-@pytest.mark.parametrize("batching", ["gather", "per-call"])
-def test_concurrent_clients_each_with_their_own_regions(server, tmp_path, batching):
+def test_concurrent_clients_each_with_their_own_regions(server):
     """Four clients (four tokens), each its region named "logits", calling at once: every answer is
-    its own client's (their calls batched, gathered or launched call by call), and no lease is left."""
-    if batching == "gather":
-        _concurrent_clients(server)
-    else:
-        with start_server(tmp_path, "--max-delay-us", "20000", region_batching=batching) as other:
-            _concurrent_clients(other)
-
-
-def _concurrent_clients(server) -> None:
+    its own client's (their calls batched and gathered), and no lease is left."""
     with Client(server.target, token="eve") as eve:
         before = eve.server_info().stats
     errors, rounds = [], 12

@@ -23,12 +23,11 @@ pytestmark = pytest.mark.cuda
 DEVICE = "cuda:0"
 
 
-@pytest.fixture(scope="module", params=["gather", "per-call"])
-def server(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
     pytest.importorskip("cuda.bindings")
     with start_server(tmp_path_factory.mktemp("zc-cuda"), "--max-delay-us", "20000", "--max-region-bytes",
-                      str(256 << 20), device=DEVICE, backend="triton", start_timeout=900,
-                      region_batching=request.param) as s:
+                      str(256 << 20), device=DEVICE, backend="triton", start_timeout=900) as s:
         yield s
 
 
@@ -190,7 +189,7 @@ def test_system_shared_memory_on_a_gpu_server(alice):
 
 def test_concurrent_clients_batch_their_device_memory(server):
     """Four clients, each with its own CUDA region, calling Sample at once: their calls batch
-    (gathered, or launched call by call, as the server was started), and each gets exactly the
+    (gathered into one launch), and each gets exactly the
     tokens the kernel gives its rows alone."""
     errors = []
 

@@ -1,6 +1,6 @@
 """The in-place launch paths of server/ops/resident.py on the CPU, in process: a registry whose
 "CUDA" leases view CPU tensors stands in for the client's device memory, so the code paths of
-CUDA regions (DeviceTensor inputs gathered or launched call by call, batches mixing them with
+CUDA regions (DeviceTensor inputs gathered into one launch, batches mixing them with
 bytes, per-row parameters read from device memory, outputs put or written by ``out=``) run here
 exactly as on a GPU, against the kernels called directly. The real thing: test_zero_copy_cuda.py."""
 
@@ -15,7 +15,6 @@ import torch
 from logitserve import kernels
 from logitserve.server import ops
 from logitserve.server.device import DeviceHandle
-from logitserve.server.ops.resident import GATHER, PER_CALL
 from logitserve.server.regions import CUDA, CallRegions
 from logitserve.server.tensors import DeviceTensor, from_torch
 from logitserve.v1 import logitserve_pb2 as pb
@@ -72,10 +71,9 @@ class DeviceMemory:
         return self.bytes[ref.offset:ref.offset + ref.byte_size].view(dtype).view(tuple(shape)).clone()
 
 
-@pytest.fixture(params=[GATHER, PER_CALL])
-def handle(request):
+@pytest.fixture
+def handle():
     h = DeviceHandle("cpu", "torch")
-    h.region_batching = request.param
     yield h
     h.close()
 

@@ -19,18 +19,13 @@ later, with the same shapes, replays the same graph correctly: it reads whatever
 leases hold mapped there. Any other in-place batch launches eagerly on the launch thread. A
 lone call launches on its inputs where they are, and writes its outputs straight into their
 regions where the op takes ``out=`` (softmax, causal softmax, SiLU, SwiGLU) and the region is
-on the device; otherwise with one copy (device to region). A batch of several such calls
-launches as :data:`REGION_BATCHING` says:
-
-- :data:`GATHER`: the rows of every call are gathered on the device into one input (region
-  pieces by device-to-device copies, host pieces staged in one transfer), one launch serves the
-  batch, and each call's outputs are copied into its regions (or brought to the host);
-- :data:`PER_CALL`: each call launches alone, on its inputs in place, as a lone call does (one
-  launch per call, no gather copy).
-
-``bench/region_batching.py`` times both on a GPU through a server process
-(``python -m logitserve.server.process --region-batching ...``, the in-process hook
-:attr:`..device.DeviceHandle.region_batching`); the faster one stays, the other goes.
+on the device; otherwise with one copy (device to region). A batch of several such calls is
+gathered (:func:`device_inputs`): the rows of every call go into one input on the device (region
+pieces by device-to-device copies, host pieces staged in one transfer), one launch serves the
+batch, and each call's outputs are copied into its regions (or brought to the host). Launching
+each call alone on its inputs in place instead, which saves the gather copy, served 18-22 %
+fewer rows a second to eight clients on the H100 (64 and 4 rows of 128256 float32; 2026-11-25,
+docs/PERFORMANCE.md), so it went.
 
 :class:`Outputs` is a call's ``output_regions``, resolved and leased at validation.
 """
@@ -48,18 +43,6 @@ from logitserve.v1 import logitserve_pb2 as pb
 from ..regions import CUDA, RegionLease, check_outputs
 from ..staging import Staging
 from ..tensors import PB_DTYPES, DeviceTensor, HostTensor
-
-GATHER = "gather"
-PER_CALL = "per-call"
-STRATEGIES = (GATHER, PER_CALL)
-# How a batch of several calls reading inputs in place launches (see above).
-REGION_BATCHING = GATHER
-
-
-def strategy(handle) -> str:
-    """The batching of in-place calls on ``handle``: its in-process hook, else :data:`REGION_BATCHING`."""
-    return getattr(handle, "region_batching", None) or REGION_BATCHING
-
 
 def reads_in_place(t, device: torch.device) -> bool:
     """Whether the kernels read input ``t`` where it is (no staging copy) on ``device``."""
@@ -118,12 +101,6 @@ def graph_key(call, handle):
             return None
         places.append((name, target.data_ptr()))
     return (call.key, "in place", *places)
-
-
-def launches_together(calls: list, handle) -> bool:
-    """Whether ``calls`` (several) share one launch: always on the byte path; on the in-place path
-    when :func:`strategy` is :data:`GATHER`."""
-    return strategy(handle) == GATHER or not launches_in_place(calls, handle.device)
 
 
 def device_inputs(handle, *groups: list) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from ..staging import Staging, to_host
 from ..tensors import NOT_IN_PLACE, HostTensor, from_array, tensor_field
 from .batching import split, split_rows
 from .limits import Limits, answer_bytes
-from .resident import Outputs, device_inputs, launches_in_place, launches_together
+from .resident import Outputs, device_inputs, launches_in_place
 
 ROUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORINGS = {pb.RouteExpertsRequest.SCORING_UNSPECIFIED: "softmax", pb.RouteExpertsRequest.SCORING_SIGMOID: "sigmoid"}
@@ -154,24 +154,22 @@ class RouteExpertsCall:
 
 def _launch_in_place(calls: list[RouteExpertsCall], handle) -> list[tuple]:
     """On the launch thread: ``calls`` launched on their gate logits where they are
-    (server/ops/resident.py), together or one by one; each call's outputs put into its regions,
-    the others brought to the host: ``(weights, indices, call)``, None for an output in a region."""
+    (server/ops/resident.py), in one launch; each call's outputs put into its regions, the others
+    brought to the host: ``(weights, indices, call)``, None for an output in a region."""
     launch = calls[0].router.launcher(calls[0].k, calls[0].renormalize, handle.backend)
-    groups = [calls] if launches_together(calls, handle) else [[c] for c in calls]
+    gate_logits, = device_inputs(handle, [c.gate_logits for c in calls])
+    weights, indices = launch(gate_logits)
+    rows = [c.rows for c in calls]
     done = []
-    for group in groups:
-        gate_logits, = device_inputs(handle, [c.gate_logits for c in group])
-        weights, indices = launch(gate_logits)
-        rows = [c.rows for c in group]
-        for w, i, c in zip(split(weights, rows), split(indices, rows), group):
-            outs = []
-            for name, value in (("weights", w), ("indices", i)):
-                if c.outputs is not None and name in c.outputs:
-                    c.outputs.put(name, value)
-                    outs.append(None)
-                else:
-                    outs.append(to_host(value))
-            done.append((*outs, c))
+    for w, i, c in zip(split(weights, rows), split(indices, rows), calls):
+        outs = []
+        for name, value in (("weights", w), ("indices", i)):
+            if c.outputs is not None and name in c.outputs:
+                c.outputs.put(name, value)
+                outs.append(None)
+            else:
+                outs.append(to_host(value))
+        done.append((*outs, c))
     return done
 
 

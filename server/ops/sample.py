@@ -24,7 +24,7 @@ from ..tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, from_t
                        tensor_field)
 from .batching import split, split_rows
 from .limits import Limits, answer_bytes
-from .resident import Outputs, device_inputs, graph_key, launches_in_place, launches_together, on_device
+from .resident import Outputs, device_inputs, graph_key, launches_in_place, on_device
 from .sample_processors import launch_processed
 from .sample_processors import parse as parse_processors
 
@@ -267,20 +267,17 @@ async def _replay_in_place(call: SampleCall, key, handle) -> "SampleResult":
 
 
 def _launch_in_place(calls: list[SampleCall], handle) -> list[tuple[torch.Tensor, SampleCall]]:
-    """On the launch thread: ``calls`` launched on their logits where they are (server/ops/resident.py),
-    together or one by one; each call's outputs put into its regions. Each call's token ids on
+    """On the launch thread: ``calls`` launched together on their logits where they are
+    (server/ops/resident.py); each call's outputs put into its regions. Each call's token ids on
     the host (read once the stream is done), with the call."""
-    names = _param_names(calls)
-    groups = [calls] if launches_together(calls, handle) else [[c] for c in calls]
+    logits, floats, ints = device_inputs(handle, [c.logits for c in calls], [c.params[0] for c in calls],
+                                         [c.params[1] for c in calls])
+    params = dict(zip(_param_names(calls), (*floats.unbind(1), *ints.unbind(1))))
+    tokens = kernels.sample(logits, **params, filter_order=calls[0].filter_order, backend=handle.backend)
     done = []
-    for group in groups:
-        logits, floats, ints = device_inputs(handle, [c.logits for c in group], [c.params[0] for c in group],
-                                             [c.params[1] for c in group])
-        params = dict(zip(names, (*floats.unbind(1), *ints.unbind(1))))
-        tokens = kernels.sample(logits, **params, filter_order=group[0].filter_order, backend=handle.backend)
-        for t, c in zip(split(tokens, [c.rows for c in group]), group):
-            c.put_outputs(t)
-            done.append((to_host(t), c))
+    for t, c in zip(split(tokens, [c.rows for c in calls]), calls):
+        c.put_outputs(t)
+        done.append((to_host(t), c))
     return done
 
 

@@ -22,7 +22,7 @@ from ..staging import to_host
 from ..tensors import FLOATS, NOT_IN_PLACE, HostTensor, decode, from_torch, tensor_field
 from .batching import split
 from .limits import MAX_RANK, Limits, answer_bytes
-from .resident import Outputs, device_inputs, launches_together
+from .resident import Outputs, device_inputs
 
 
 class _LaunchedOnThread:
@@ -117,13 +117,11 @@ class SoftmaxCall(_LaunchedOnThread):
 
     @staticmethod
     def launch_on_thread(calls: list["SoftmaxCall"], handle) -> list[TensorResult]:
-        if len(calls) == 1 or not launches_together(calls, handle):
-            results = []
-            for c in calls:
-                x, = device_inputs(handle, [c.x])
-                out = kernels.softmax(x, dim=c.dim, out=_direct_out(c, handle), backend=handle.backend)
-                results.append(TensorResult.of(out, c, pb.SoftmaxResponse))
-            return results
+        if len(calls) == 1:  # into its output region where it has one on the device
+            c = calls[0]
+            x, = device_inputs(handle, [c.x])
+            out = kernels.softmax(x, dim=c.dim, out=_direct_out(c, handle), backend=handle.backend)
+            return [TensorResult.of(out, c, pb.SoftmaxResponse)]
         width = calls[0].x.shape[-1]
         x, = device_inputs(handle, [c.x.reshape(-1, width) for c in calls])
         out = kernels.softmax(x, dim=-1, backend=handle.backend)
@@ -168,13 +166,11 @@ class CausalSoftmaxCall(_LaunchedOnThread):
 
     @staticmethod
     def launch_on_thread(calls: list["CausalSoftmaxCall"], handle) -> list[TensorResult]:
-        if len(calls) == 1 or not launches_together(calls, handle):
-            results = []
-            for c in calls:
-                x, = device_inputs(handle, [c.x])
-                out = kernels.causal_softmax(x, out=_direct_out(c, handle), backend=handle.backend)
-                results.append(TensorResult.of(out, c, pb.CausalSoftmaxResponse))
-            return results
+        if len(calls) == 1:  # into its output region where it has one on the device
+            c = calls[0]
+            x, = device_inputs(handle, [c.x])
+            out = kernels.causal_softmax(x, out=_direct_out(c, handle), backend=handle.backend)
+            return [TensorResult.of(out, c, pb.CausalSoftmaxResponse)]
         s, t = calls[0].x.shape[-2:]
         stacked, = device_inputs(handle, [c.x.reshape(-1, s, t) for c in calls])
         out = kernels.causal_softmax(stacked, backend=handle.backend)
@@ -234,15 +230,13 @@ class SiluCall(_LaunchedOnThread):
     @staticmethod
     def launch_on_thread(calls: list["SiluCall"], handle) -> list[TensorResult]:
         backend = handle.backend
-        if len(calls) == 1 or not launches_together(calls, handle):
-            results = []
-            for c in calls:
-                x, *up = device_inputs(handle, [c.x]) if c.up is None else device_inputs(handle, [c.x], [c.up])
-                direct = _direct_out(c, handle)
-                out = (kernels.silu(x, out=direct, backend=backend) if c.up is None
-                       else kernels.swiglu(x, up[0], out=direct, backend=backend))
-                results.append(TensorResult.of(out, c, pb.SiluResponse))
-            return results
+        if len(calls) == 1:  # into its output region where it has one on the device
+            c = calls[0]
+            x, *up = device_inputs(handle, [c.x]) if c.up is None else device_inputs(handle, [c.x], [c.up])
+            direct = _direct_out(c, handle)
+            out = (kernels.silu(x, out=direct, backend=backend) if c.up is None
+                   else kernels.swiglu(x, up[0], out=direct, backend=backend))
+            return [TensorResult.of(out, c, pb.SiluResponse)]
         width = calls[0].x.shape[-1]
         if calls[0].up is None:
             x, = device_inputs(handle, [c.x.reshape(-1, width) for c in calls])

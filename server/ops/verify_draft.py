@@ -24,7 +24,7 @@ from ..staging import to_host
 from ..tensors import FLOATS, INTS, NOT_IN_PLACE, HostTensor, from_array, tensor_field
 from .batching import split
 from .limits import Limits, answer_bytes
-from .resident import Outputs, device_inputs, launches_together
+from .resident import Outputs, device_inputs
 from .sample import WIRE_FILTER_ORDERS, _draw_seeds, _param, _param_rows
 
 # The packed per-row columns, as the launch passes them to kernels.verify: float32, then int64.
@@ -131,32 +131,29 @@ class VerifyDraftCall:
 
 
 def _launch_on_thread(calls: list[VerifyDraftCall], handle) -> list["VerifyDraftResult"]:
-    """On the launch thread: the calls in one launch (or, for in-place calls under the per-call
-    strategy, one each; server/ops/resident.py); each call's outputs put into its regions or
+    """On the launch thread: the calls in one launch; each call's outputs put into its regions or
     brought to the host."""
     first = calls[0]
-    groups = [calls] if len(calls) == 1 or launches_together(calls, handle) else [[c] for c in calls]
+    columns = [c.columns() for c in calls]
+    ids, draft, target, floats, ints = device_inputs(
+        handle, [c.draft_token_ids for c in calls], [c.draft for c in calls], [c.target_logits for c in calls],
+        [f for f, _ in columns], [i for _, i in columns])
+    params = dict(zip(FLOAT_COLUMNS + INT_COLUMNS, (*floats.unbind(1), *ints.unbind(1))))
+    draft_temperature = params.pop(DRAFT_TEMPERATURE.name)
+    draft_arg = dict(draft_logits=draft, draft_temperature=draft_temperature) if first.from_logits else \
+        dict(draft_probs=draft)
+    result = kernels.verify(ids, target, **draft_arg, **params, filter_order=first.filter_order,
+                            backend=handle.backend)
+    sizes = [c.rows for c in calls]
     results = []
-    for group in groups:
-        columns = [c.columns() for c in group]
-        ids, draft, target, floats, ints = device_inputs(
-            handle, [c.draft_token_ids for c in group], [c.draft for c in group], [c.target_logits for c in group],
-            [f for f, _ in columns], [i for _, i in columns])
-        params = dict(zip(FLOAT_COLUMNS + INT_COLUMNS, (*floats.unbind(1), *ints.unbind(1))))
-        draft_temperature = params.pop(DRAFT_TEMPERATURE.name)
-        draft_arg = dict(draft_logits=draft, draft_temperature=draft_temperature) if first.from_logits else \
-            dict(draft_probs=draft)
-        result = kernels.verify(ids, target, **draft_arg, **params, filter_order=first.filter_order,
-                                backend=handle.backend)
-        sizes = [c.rows for c in group]
-        for c, tokens, accepted, valid in zip(group, *(split(t, sizes) for t in result)):
-            outs = {"token_ids": tokens, "num_accepted": accepted, "valid": valid}
-            if c.outputs is not None and c.outputs.on_device:
-                outs["seeds"] = torch.tensor(c.seeds(), dtype=torch.int64)
-                for name in [name for name in outs if name in c.outputs]:
-                    c.outputs.put(name, outs.pop(name))
-            results.append(VerifyDraftResult({name: to_host(value) for name, value in outs.items()}, c.seeds(),
-                                             c.outputs))
+    for c, tokens, accepted, valid in zip(calls, *(split(t, sizes) for t in result)):
+        outs = {"token_ids": tokens, "num_accepted": accepted, "valid": valid}
+        if c.outputs is not None and c.outputs.on_device:
+            outs["seeds"] = torch.tensor(c.seeds(), dtype=torch.int64)
+            for name in [name for name in outs if name in c.outputs]:
+                c.outputs.put(name, outs.pop(name))
+        results.append(VerifyDraftResult({name: to_host(value) for name, value in outs.items()}, c.seeds(),
+                                         c.outputs))
     return results
 
 
