@@ -141,9 +141,13 @@ class Process:
         raise AssertionError(f"no {event!r} event; exit code {self.proc.poll()}; saw {self.events[-5:]}")
 
 
+# Tokens no log line could hold by chance (the logs are searched for them).
+FIRST, SECOND = "tok-1f9c2a7e", "tok-2b8d3c6f"
+
+
 def test_serve_process_metrics_sighup_and_sigterm_drain(tmp_path):
     tokens = tmp_path / "tokens"
-    tokens.write_text("first\n")
+    tokens.write_text(f"{FIRST}\n")
     metrics_port = _free_port()
     server = Process("--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--warmup-dtypes", "float32",
                      "--max-delay-us", "2000000", "--grace-period-s", "20", "--auth-token-file", str(tokens),
@@ -154,28 +158,28 @@ def test_serve_process_metrics_sighup_and_sigterm_drain(tmp_path):
         assert listening["backend"] == "torch" and listening["auth"] is True and listening["busy_poll_us"] == 1000
         server.wait_for("serving")
         x = np.ones((1, 4), np.float32)
-        with Client(target, token="first", timeout=30) as c:
+        with Client(target, token=FIRST, timeout=30) as c:
             np.testing.assert_allclose(c.softmax(x), 0.25)
         rpc = server.wait_for("rpc")
         assert rpc["rpc"] == "Softmax" and rpc["status"] == "OK" and rpc["rows"] == 1 and "latency_ms" in rpc
-        assert rpc["request_id"] and "first" not in json.dumps(server.events)
+        assert rpc["request_id"] and FIRST not in json.dumps(server.events)
 
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
         assert 'logitserve_requests_total{rpc="Softmax"} 1.0' in text
         assert 'logitserve_launches_total{op="softmax"}' in text
         assert "logitserve_queue_time_seconds_bucket" in text and "logitserve_batch_rows_bucket" in text
 
-        tokens.write_text("second\n")
+        tokens.write_text(f"{SECOND}\n")
         server.proc.send_signal(signal.SIGHUP)
         server.wait_for("tokens reloaded")
-        with Client(target, token="first", timeout=30) as c, pytest.raises(LogitServeError) as info:
+        with Client(target, token=FIRST, timeout=30) as c, pytest.raises(LogitServeError) as info:
             c.softmax(x)
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
 
         outcome = {}
 
         def in_flight():
-            with Client(target, token="second", timeout=30) as c:
+            with Client(target, token=SECOND, timeout=30) as c:
                 outcome["out"] = c.softmax(x)
 
         caller = threading.Thread(target=in_flight)

@@ -43,9 +43,9 @@ def warmup_calls(dtype: torch.dtype, widths: tuple[int, ...]) -> list[tuple[str,
             target = HostTensor.of(torch.randn(b, WARMUP_DRAFT + 1, w, generator=gen).to(dtype))
             draft = HostTensor.of(torch.randn(b, WARMUP_DRAFT, w, generator=gen).to(dtype))
             values = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.0, draft_temperature=1.0, seed=seeds, step=0)
-            for order in ("top_k_first", "joint"):
+            for order, label in (("top_k_first", "verify_draft"), ("joint", "verify_draft joint")):
                 for from_logits in (False, True):  # a draft's probabilities, or its logits
-                    cases.append((f"verify_draft {order} {'logits' if from_logits else 'probs'} {b}x{w}",
+                    cases.append((f"{label} {'logits' if from_logits else 'probs'} {b}x{w}",
                                   VerifyDraftCall(ids, draft, from_logits, target, values, order)))
     x = HostTensor.of(torch.randn(2, 4, 8, generator=gen).to(dtype))
     cases += [
