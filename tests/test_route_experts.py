@@ -46,15 +46,26 @@ def logits_and_bias(n: int, e: int, with_bias: bool, gen: torch.Generator):
 
 
 def check(x, k, bias, options, weights, indices) -> None:
-    want_w, want_i = reference(x.cpu().to(torch.float64), k, correction_bias=None if bias is None else
-                               bias.cpu().to(torch.float64), **options)
+    want_w, want_i = _reference_in(torch.float64, x, k, bias, options)
     assert weights.dtype == torch.float32 and indices.dtype == torch.int32
     got_i = indices.cpu()
-    if not torch.equal(got_i, want_i):
-        bad = (got_i != want_i).nonzero()
-        raise AssertionError(f"indices: {bad.shape[0]} differ; first at {bad[0].tolist()}: "
-                             f"got {got_i[bad[0][0]].tolist()} want {want_i[bad[0][0]].tolist()}")
+    other = (got_i != want_i).any(-1)
+    if other.any():
+        # The kernels score in float32: two biased scores (or group sums) that float64 tells apart
+        # by less than float32's resolution tie there, and the tie goes to the lower index. Such a
+        # row must then be what the reference computes in float32.
+        f32_w, f32_i = _reference_in(torch.float32, x, k, bias, options)
+        bad = (other[:, None] & (got_i != f32_i)).nonzero()
+        if bad.shape[0]:
+            row = bad[0][0]
+            raise AssertionError(f"indices: {bad.shape[0]} differ; first at {bad[0].tolist()}: got "
+                                 f"{got_i[row].tolist()} want {want_i[row].tolist()} (float32: {f32_i[row].tolist()})")
+        want_w = torch.where(other[:, None], f32_w.to(want_w.dtype), want_w)
     assert_close(weights, want_w, torch.float32, atol=W_ATOL, rtol=W_RTOL, what="weights")
+
+
+def _reference_in(dtype: torch.dtype, x, k, bias, options):
+    return reference(x.cpu().to(dtype), k, correction_bias=None if bias is None else bias.cpu().to(dtype), **options)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
