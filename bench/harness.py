@@ -46,6 +46,15 @@ def print_case_row(c: Case, copy_gbs: float) -> bool:
     return True
 
 
+def print_table(lines: list[str], out: str | None) -> None:
+    """A finished Markdown table, printed whole after its rows' progress, and written to ``out``."""
+    table = "\n".join(lines)
+    print("\n" + table)
+    if out:
+        with open(out, "w") as f:
+            f.write(table + "\n")
+
+
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
     """Device-to-device copy of ``nbytes``, counting bytes read plus bytes written: the ceiling."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()

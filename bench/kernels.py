@@ -16,7 +16,7 @@ import sys
 import torch
 
 from . import harness
-from .harness import copy_bandwidth_gbs, median_us
+from .harness import copy_bandwidth_gbs, median_us, print_table
 
 OPS = ("softmax", "causal_softmax", "topk_softmax", "activation", "sample", "verify")
 
@@ -55,11 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             print(row, flush=True)
             lines.append(row)
             torch.cuda.empty_cache()
-    table = "\n".join(lines)
-    print("\n" + table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    print_table(lines, args.out)
     return 0
 
 

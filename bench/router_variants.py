@@ -26,6 +26,8 @@ from logitserve.kernels import RouteExpertsPlan, TensorSpec, TopkSoftmaxPlan
 from logitserve.kernels.reference.route_experts import route_experts as reference
 from logitserve.kernels.route_experts import DEFAULT_VARIANT, VARIANTS
 
+from .harness import print_table
+
 TOKENS = 16384
 DEEPSEEK_V3 = dict(scoring="sigmoid", n_group=8, topk_group=4, renormalize=True, routed_scaling_factor=2.5)
 # name: (E, k, options, with a correction bias). Qwen3 (softmax, renormalize, nothing else)
@@ -105,11 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"| {ratio:.2f} |")
             print(row, flush=True)
             lines.append(row)
-    table = "\n".join(lines)
-    print("\n" + table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    print_table(lines, args.out)
     return 0
 
 

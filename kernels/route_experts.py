@@ -67,17 +67,25 @@ def _broadcast_groups(kept, ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: t
 
 
 @triton.jit
-def _exact_picks(ordered, gord, bad, expert, keep, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 GROUPED: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
-                 BLOCK_TG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    # The semantics step by step: NaN rows tie every group and expert (so the lowest win); the
-    # TOPK_GROUP best groups, then the K best keys among their experts, each by exact rounds.
+def _exact_keys(ordered, gord, bad, keep, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                GROUPED: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_TG: tl.constexpr):
+    # The experts' keys, DROP outside the TOPK_GROUP best groups (chosen by exact rounds); NaN
+    # rows tie every group and expert (so the lowest win).
     if GROUPED:
         g = tl.arange(0, GROUPS)[None, :]
         gkey = tl.where(g < N_GROUP, tl.where(bad[:, None], 0, gord), DROP)
         _, gkey = exact_rounds(gkey, g, TOPK_GROUP, BLOCK_TG, GROUPS)
         keep = keep & _broadcast_groups(gkey == MARK, ROWS, GROUPS, BLOCK_G)
-    key = tl.where(keep, tl.where(bad[:, None], 0, ordered), DROP)
+    return tl.where(keep, tl.where(bad[:, None], 0, ordered), DROP)
+
+
+@triton.jit
+def _exact_picks(ordered, gord, bad, expert, keep, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 GROUPED: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_TG: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    # The semantics step by step: the group selection, then the K best keys by exact rounds.
+    key = _exact_keys(ordered, gord, bad, keep, N_GROUP, TOPK_GROUP, GROUPED, ROWS, GROUPS, BLOCK_G, BLOCK_TG)
     picks, _ = exact_rounds(key, expert, K, BLOCK_K, BLOCK_E * 2)
     return picks
 
@@ -171,12 +179,7 @@ def _route_experts_kernel(
     else:
         # k > 16: topk_softmax's bitonic network on int64 keys (bits above the reversed
         # position: distinct, ties to the lower expert), after exact group selection.
-        if GROUPED:
-            g = tl.arange(0, GROUPS)[None, :]
-            gkey = tl.where(g < N_GROUP, tl.where(bad[:, None], 0, gord), DROP)
-            _, gkey = exact_rounds(gkey, g, TOPK_GROUP, BLOCK_TG, GROUPS)
-            keep = keep & _broadcast_groups(gkey == MARK, ROWS, GROUPS, BLOCK_G)
-        key = tl.where(keep, tl.where(bad[:, None], 0, ordered), DROP)
+        key = _exact_keys(ordered, gord, bad, keep, N_GROUP, TOPK_GROUP, GROUPED, ROWS, GROUPS, BLOCK_G, BLOCK_TG)
         key = (key.to(tl.int64) << 32) | (BLOCK_E - 1 - p).to(tl.int64)
         top = _bitonic_topk(key, ROWS, BLOCK_K, LOG_ROWS, LOG_E, LOG_K)
         pos = BLOCK_E - 1 - top.to(tl.int32)  # truncation keeps the low half
