@@ -99,7 +99,7 @@ FLAGS = (
     ("--max-regions", int, _D.max_regions, "shared-memory regions mapped at once, all clients together "
      "(0: none)"),
     ("--max-region-bytes", int, _D.max_region_bytes, "bytes of shared-memory regions mapped at once, all clients "
-     "together"),
+     "together (on CUDA, system regions are page-locked: also the host memory clients can lock)"),
     ("--max-held-answer-bytes", int, _D.max_held_answer_bytes, "bytes of answers held for unfinished (or "
      "unread) calls, all connections together; past it RESOURCE_EXHAUSTED before the work"),
     ("--max-held-answer-bytes-per-connection", int, _D.max_held_answer_bytes_per_connection,
