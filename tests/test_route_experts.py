@@ -17,7 +17,7 @@ import torch
 
 from helpers import assert_close
 from logitserve.kernels import RouteExpertsPlan, TensorSpec, TopkSoftmaxPlan, route_experts, topk_softmax
-from logitserve.kernels.reference.route_experts import route_experts as reference
+from logitserve.kernels.reference.route_experts import route_experts as reference, within_float32_ties
 
 # The interpreter runs NaN rows through numpy reductions, which warn; the kernel handles them.
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
@@ -52,42 +52,12 @@ def check(x, k, bias, options, weights, indices) -> None:
     got_i = indices.cpu()
     other = (got_i != want_i).any(-1)
     for row in other.nonzero()[:, 0].tolist():
-        if not _within_float32_ties(x[row].cpu(), k, bias, options, got_i[row].tolist()):
+        # The kernels' float32 may break a float64 tie otherwise (reference.within_float32_ties).
+        if not within_float32_ties(x[row].cpu(), got_i[row].tolist(), correction_bias=bias, **options):
             raise AssertionError(f"indices: {int(other.sum())} rows differ; first at row {row}: got "
                                  f"{got_i[row].tolist()} want {want_i[row].tolist()}")
     assert_close(weights[~other.to(weights.device)], want_w[~other], torch.float32, atol=W_ATOL, rtol=W_RTOL,
                  what="weights")
-
-
-# How far apart in float64 two biased scores or group scores (all below 3) may be and still be
-# ordered either way in float32, where the kernels compute them: two units in its last place.
-FLOAT32_TIE = 2.0 ** -21
-
-
-def _within_float32_ties(x_row, k, bias, options, got: list[int]) -> bool:
-    """Whether ``got``, one row's picks that differ from the float64 reference, are the reference's
-    once keys closer than FLOAT32_TIE may go either way: the kernels' float32 sums can break a
-    float64 tie, or order two keys a float64 hair apart, otherwise. (Keys without a bias are the
-    logits themselves, exact in any dtype: no such row.)"""
-    if bias is None or len(set(got)) != len(got):
-        return False
-    x_row = x_row.to(torch.float64)
-    scores = torch.sigmoid(x_row) if options.get("scoring") == "sigmoid" else torch.softmax(x_row, -1)
-    key = (scores + bias.cpu().to(torch.float64)).tolist()
-    pool = range(len(key))
-    n_group = options.get("n_group", 1)
-    if n_group > 1:
-        size = len(key) // n_group  # consecutive experts
-        groups = [sorted(key[g * size:(g + 1) * size], reverse=True) for g in range(n_group)]
-        score = [g[0] + g[1] if options.get("group_score", "top2_sum") == "top2_sum" else g[0] for g in groups]
-        bound = sorted(score, reverse=True)[options["topk_group"] - 1]
-        chosen = {j // size for j in got}
-        if len(chosen) > options["topk_group"] or any(score[g] < bound - FLOAT32_TIE for g in chosen):
-            return False
-        pool = [j for j in pool if j // size in chosen]
-    rest = [key[j] for j in pool if j not in got]
-    in_order = all(key[a] >= key[b] - FLOAT32_TIE for a, b in zip(got, got[1:]))
-    return in_order and (not rest or min(key[j] for j in got) >= max(rest) - FLOAT32_TIE)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])

@@ -64,3 +64,40 @@ def route_experts(gate_logits: torch.Tensor, k: int, scoring: str = "softmax",
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights * routed_scaling_factor
     return weights, order.to(torch.int32)
+
+
+# How far apart in float64 two biased scores or group scores (all below 3) may be and still be
+# ordered either way in float32, where the kernels compute them: two units in its last place.
+FLOAT32_TIE = 2.0 ** -21
+
+
+def within_float32_ties(gate_row: torch.Tensor, picks: list[int], scoring: str = "softmax",
+                        correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                        group_score: str = "top2_sum", **_weights_options) -> bool:
+    """Whether ``picks`` (one row's experts, in order) are what :func:`route_experts` picks in
+    float64 once keys closer than :data:`FLOAT32_TIE` may go either way.
+
+    For checking a float32 implementation on rows where it differs from the float64 reference:
+    its sums can break a float64 tie, or order two keys a float64 hair apart, otherwise. The
+    picks' groups must score within the tie of the kept groups' bound, and the picks must be in
+    order and above the other experts of their groups within it. Keys without a bias are the
+    logits themselves, exact in any dtype: no such row, so False.
+    """
+    if correction_bias is None or len(set(picks)) != len(picks):
+        return False
+    x = gate_row.to(torch.float64)
+    scores = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+    key = (scores + correction_bias.to(torch.float64).cpu()).tolist()
+    pool = range(len(key))
+    if n_group > 1 and topk_group < n_group:
+        size = len(key) // n_group
+        groups = [sorted(key[g * size:(g + 1) * size], reverse=True) for g in range(n_group)]
+        score = [g[0] + g[1] if group_score == "top2_sum" else g[0] for g in groups]
+        bound = sorted(score, reverse=True)[topk_group - 1]
+        chosen = {j // size for j in picks}
+        if len(chosen) > topk_group or any(score[g] < bound - FLOAT32_TIE for g in chosen):
+            return False
+        pool = [j for j in pool if j // size in chosen]
+    rest = [key[j] for j in pool if j not in picks]
+    in_order = all(key[a] >= key[b] - FLOAT32_TIE for a, b in zip(picks, picks[1:]))
+    return in_order and (not rest or min(key[j] for j in picks) >= max(rest) - FLOAT32_TIE)
