@@ -9,7 +9,8 @@ that ``exact`` matches the float64 reference there (on a row where float32 break
 otherwise, up to those ties: ``reference.within_float32_ties``); then times each variant by
 ``triton.testing.do_bench_cudagraph`` (device time of graph replays, median). Prints a Markdown
 table; the fastest variant at DeepSeek-V3's shape is the candidate for
-``kernels.route_experts.DEFAULT_VARIANT``. Compiles len(VARIANTS) x len(CONFIGS) kernels.
+``kernels.route_experts.DEFAULT_VARIANT`` (``TOP1_VARIANT`` from the top-1 routers). Compiles
+len(VARIANTS) x len(CONFIGS) kernels.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from triton.testing import do_bench_cudagraph
 
 from logitserve.kernels import RouteExpertsPlan, TensorSpec, TopkSoftmaxPlan
 from logitserve.kernels.reference.route_experts import route_experts as reference, within_float32_ties
-from logitserve.kernels.route_experts import DEFAULT_VARIANT, VARIANTS
+from logitserve.kernels.route_experts import DEFAULT_VARIANT, TOP1_VARIANT, VARIANTS
 
 from .harness import print_table
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     lines = [f"{torch.cuda.get_device_name()}, {datetime.date.today()}, torch {torch.__version__}, triton "
              f"{triton.__version__}; device time by do_bench_cudagraph (median), {TOKENS} tokens bfloat16; "
-             f"default variant: {DEFAULT_VARIANT}", "",
+             f"default variant: {DEFAULT_VARIANT}, {TOP1_VARIANT} for top-1", "",
              "| router | E | k | variant | rows x warps | us | vs exact |", "|---|---:|---:|---|---|---:|---:|"]
     for name, (e, k, options, with_bias) in CONFIGS.items():
         x, bias = inputs(e, with_bias, False, gen)
