@@ -54,6 +54,11 @@ def copies_in(t, device: torch.device) -> bool:
     return type(t) is HostTensor and t.pinned and device.type == "cuda"
 
 
+def unstaged(t, device: torch.device) -> bool:
+    """Whether input ``t`` skips staging on ``device``: read in place, or copied in."""
+    return reads_in_place(t, device) or copies_in(t, device)
+
+
 def on_device(t, device: torch.device) -> torch.Tensor:
     """Input ``t``, read in place or copied in, as a tensor the kernels read (launch thread, or
     inside a graph's capture, which records the copy)."""
@@ -66,7 +71,7 @@ def launches_in_place(calls: list, device: torch.device) -> bool:
     for c in calls:
         if c.outputs is not None and c.outputs.on_device:
             return True
-        if any(reads_in_place(t, device) or copies_in(t, device) for t in c.inputs):
+        if any(unstaged(t, device) for t in c.inputs):
             return True
     return False
 
@@ -112,7 +117,7 @@ def device_inputs(handle, *groups: list) -> list[torch.Tensor]:
     stage = Staging()
     hosts = []
     for group in groups:
-        host = [p for p in group if not (reads_in_place(p, device) or copies_in(p, device))]
+        host = [p for p in group if not unstaged(p, device)]
         hosts.append(host)
         if host:
             stage.add(host)
@@ -127,7 +132,7 @@ def device_inputs(handle, *groups: list) -> list[torch.Tensor]:
         else:
             pieces, row = [], 0
             for p in group:
-                if reads_in_place(p, device) or copies_in(p, device):
+                if unstaged(p, device):
                     pieces.append(on_device(p, device))
                 else:
                     pieces.append(part[row:row + p.shape[0]])
