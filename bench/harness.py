@@ -32,6 +32,14 @@ def median_us(fn: Callable[[], object], rep_ms: int = 200) -> float:
     return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median") * 1e3
 
 
+def print_case_header(device: torch.device) -> float:
+    """The device line and the table header :func:`print_case_row` fills; the copy bandwidth."""
+    copy_gbs = copy_bandwidth_gbs(device)
+    print(f"{torch.cuda.get_device_name(device)}; copy {copy_gbs:.1f} GB/s")
+    print("| shape | implementation | median us | GB/s | of copy |\n|---|---|---:|---:|---:|")
+    return copy_gbs
+
+
 def print_case_row(c: Case, copy_gbs: float) -> bool:
     """Time ``c`` and print its markdown row (shape, implementation, median us, GB/s, fraction of
     ``copy_gbs``): an op's own ``python -m bench.ops.<op>`` table. False (a row saying so) where it

@@ -29,7 +29,7 @@ import torch
 
 from logitserve.kernels import sample
 
-from ..harness import Case, copy_bandwidth_gbs, flashinfer_sampling, maybe_compile, median_us, print_case_row
+from ..harness import Case, flashinfer_sampling, maybe_compile, median_us, print_case_header, print_case_row
 
 TEMPERATURE, TOP_K, TOP_P, MIN_P = 0.8, 50, 0.9, 0.05
 BATCHES = (1, 16, 64, 256)
@@ -227,9 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     failures = check(device) if args.check else 0
-    copy_gbs = copy_bandwidth_gbs(device)
-    print(f"{torch.cuda.get_device_name(device)}; copy {copy_gbs:.1f} GB/s")
-    print("| shape | implementation | median us | GB/s | of copy |\n|---|---|---:|---:|---:|")
+    copy_gbs = print_case_header(device)
     for c in cases(device, with_compile=not args.no_compile):
         if args.only not in f"{c.shape} {c.impl}":
             continue

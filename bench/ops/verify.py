@@ -38,7 +38,7 @@ import torch
 
 from logitserve.kernels import verify
 
-from ..harness import Case, copy_bandwidth_gbs, flashinfer_sampling, print_case_row
+from ..harness import Case, flashinfer_sampling, print_case_header, print_case_row
 
 BATCHES = (32, 128)
 DRAFTS = (4, 8)
@@ -130,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     failures = check(device) if args.check else 0
-    copy_gbs = copy_bandwidth_gbs(device)
-    print(f"{torch.cuda.get_device_name(device)}; copy {copy_gbs:.1f} GB/s")
-    print("| shape | implementation | median us | GB/s | of copy |\n|---|---|---:|---:|---:|")
+    copy_gbs = print_case_header(device)
     for c in cases(device):
         if args.only not in f"{c.shape} {c.impl}":
             continue
