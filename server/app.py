@@ -85,7 +85,7 @@ class Service:
         device = self.handle.device
         self.regions = RegionRegistry(config.max_regions, config.max_region_bytes,
                                       devices=(device.index,) if device.type == "cuda" else (),
-                                      pin_system=device.type == "cuda")
+                                      pin_system=device.type == "cuda", key_scope=config.resolved_shm_key_scope)
         self.metrics = Metrics()
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         try:

@@ -100,6 +100,9 @@ FLAGS = (
      "(0: none)"),
     ("--max-region-bytes", int, _D.max_region_bytes, "bytes of shared-memory regions mapped at once, all clients "
      "together (on CUDA, system regions are page-locked: also the host memory clients can lock)"),
+    ("--shm-key-scope", str, _D.shm_key_scope, "which shared-memory objects a client may register: token (keys "
+     "starting with its token's prefix), any (any object this server's user can open), auto (token when "
+     "--auth-token-file is set)"),
     ("--max-held-answer-bytes", int, _D.max_held_answer_bytes, "bytes of answers held for unfinished (or "
      "unread) calls, all connections together; past it RESOURCE_EXHAUSTED before the work"),
     ("--max-held-answer-bytes-per-connection", int, _D.max_held_answer_bytes_per_connection,

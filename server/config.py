@@ -9,6 +9,7 @@ from dataclasses import dataclass
 DEFAULT_PORT = 50051
 FLOAT_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SHM_KEY_SCOPES = ("auto", "token", "any")
 
 
 def default_device() -> str:
@@ -77,6 +78,10 @@ class ServerConfig:
     # turns registration off (RESOURCE_EXHAUSTED).
     max_regions: int = 256
     max_region_bytes: int = 16 << 30
+    # Which POSIX shared-memory objects a caller may register (server/regions/names.py): "token",
+    # only keys with its bearer token's prefix; "any", any object this server's user can open
+    # (every client trusted alike); "auto": token when --auth-token-file is set, else any.
+    shm_key_scope: str = "auto"
     # Bytes of answers held for calls not yet finished (computing, or sent to a client that does
     # not read them), all connections together and per connection (server/held.py); past
     # either, RESOURCE_EXHAUSTED before the work.
@@ -109,6 +114,8 @@ class ServerConfig:
             raise ValueError(f"max_regions: must be >= 0 (0: no regions), got {self.max_regions}")
         if self.max_region_bytes < 0:
             raise ValueError(f"max_region_bytes: must be >= 0, got {self.max_region_bytes}")
+        if self.shm_key_scope not in SHM_KEY_SCOPES:
+            raise ValueError(f"shm_key_scope: must be one of {', '.join(SHM_KEY_SCOPES)}, got {self.shm_key_scope!r}")
         if self.busy_poll_us < 0:
             raise ValueError(f"busy_poll_us: must be >= 0 (0: off), got {self.busy_poll_us}")
         if not (math.isfinite(self.grace_period_s) and self.grace_period_s >= 0):
@@ -130,6 +137,13 @@ class ServerConfig:
         object.__setattr__(self, "log_level", self.log_level.lower())  # DEBUG is debug
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    @property
+    def resolved_shm_key_scope(self) -> str:
+        """``shm_key_scope`` with "auto" decided: token-scoped keys wherever tokens are on."""
+        if self.shm_key_scope != "auto":
+            return self.shm_key_scope
+        return "token" if self.auth_token_file else "any"
 
     def replace(self, **changes) -> "ServerConfig":
         return dataclasses.replace(self, **changes)

@@ -13,6 +13,7 @@ import pytest
 
 from logitserve.client import Client
 from logitserve.client import regions as client_regions
+from logitserve.client.keys import scoped_key
 from logitserve.server.cli import parse
 from logitserve.server.process import ServerProcess
 from logitserve.v1 import logitserve_pb2 as pb
@@ -45,6 +46,7 @@ class Caller:
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.LogitServeStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
+        self.token = token
         self.client = Client(target, token=token, timeout=300)
 
     def __getattr__(self, rpc: str):
@@ -72,7 +74,8 @@ class Arena:
     slices are carved out of it at 64-byte boundaries (plus ``skew`` bytes: misaligned on purpose)."""
 
     def __init__(self, caller: Caller, name: str, nbytes: int = 1 << 20):
-        self.buf = client_regions.shared_array((nbytes,), "uint8")
+        # The server scopes keys to tokens (its default with --auth-token-file).
+        self.buf = client_regions.shared_array((nbytes,), "uint8", key=scoped_key(caller.token))
         self.bytes = self.buf.array
         self.name = name
         self.used = 0

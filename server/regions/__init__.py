@@ -23,6 +23,13 @@ unregisters nothing.
 metadata (None without a token). An owner sees, resolves and unregisters only its own regions;
 two owners may use the same name. Limits (:class:`~.errors.TooLarge`) count every owner's.
 
+**Keys.** A key names an object, but proves nothing of who made it, and the server can open any
+object of its own user. With ``key_scope="token"`` (``--shm-key-scope``; the default when
+tokens are on) an owner registers only keys that start with its :func:`key_prefix`, checked
+before anything is opened: one token cannot map another's objects or the server user's others,
+and a refusal does not tell whether a key exists. A CUDA region's capability is its IPC handle,
+which only a process holding the allocation can export.
+
 **Leases.** :meth:`~RegionRegistry.resolve` returns a :class:`RegionLease`; a region unregistered
 while leased leaves the table at once (its name is free) and stays mapped until its last lease is
 released. Whoever launches work on a lease's view releases the lease only once that work is
@@ -52,14 +59,16 @@ of one RPC on the request path).
 """
 
 from .calls import CallRegions
-from .names import (CUDA, CUDA_IPC_HANDLE_BYTES, DEFAULT_MAX_MAPPED_BYTES, DEFAULT_MAX_REGIONS, KEY_RULE, KINDS,
-                    NAME_RULE, OUTPUTS, SHM_DIR, SYSTEM, RegionExists, RegionNotFound, check_key, check_name,
-                    check_outputs, owner_of, region_of)
+from .names import (CUDA, CUDA_IPC_HANDLE_BYTES, DEFAULT_MAX_MAPPED_BYTES, DEFAULT_MAX_REGIONS, KEY_RULE,
+                    KEY_SCOPE_ANY, KEY_SCOPE_TOKEN, KEY_SCOPES, KINDS, NAME_RULE, OUTPUTS, SHM_DIR, SYSTEM,
+                    RegionExists, RegionNotFound, check_key, check_name, check_outputs, key_prefix, owner_of,
+                    region_of)
 from .region import RegionInfo, RegionLease
 from .registry import RegionRegistry
 
 __all__ = [
-    "CUDA", "CUDA_IPC_HANDLE_BYTES", "DEFAULT_MAX_MAPPED_BYTES", "DEFAULT_MAX_REGIONS", "KEY_RULE", "KINDS",
-    "NAME_RULE", "OUTPUTS", "SHM_DIR", "SYSTEM", "CallRegions", "RegionExists", "RegionInfo", "RegionLease",
-    "RegionNotFound", "RegionRegistry", "check_key", "check_name", "check_outputs", "owner_of", "region_of",
+    "CUDA", "CUDA_IPC_HANDLE_BYTES", "DEFAULT_MAX_MAPPED_BYTES", "DEFAULT_MAX_REGIONS", "KEY_RULE", "KEY_SCOPE_ANY",
+    "KEY_SCOPE_TOKEN", "KEY_SCOPES", "KINDS", "NAME_RULE", "OUTPUTS", "SHM_DIR", "SYSTEM", "CallRegions",
+    "RegionExists", "RegionInfo", "RegionLease", "RegionNotFound", "RegionRegistry", "check_key", "check_name", "check_outputs", "key_prefix", "owner_of",
+    "region_of",
 ]

@@ -53,6 +53,40 @@ def owner_of(authorization: str | None) -> str | None:
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest() if token else None
 
 
+# Which shared-memory objects a caller may map as system regions (--shm-key-scope). A server
+# opens any object its own user can; a key alone proves nothing of who made it, so under
+# "token" a caller may map only objects named with its token's prefix (key_prefix), which no
+# other token can register: one token cannot reach another's memory, nor the server user's
+# other objects. "any" is for servers without tokens, whose clients are all one identity.
+KEY_SCOPE_ANY = "any"
+KEY_SCOPE_TOKEN = "token"
+KEY_SCOPES = (KEY_SCOPE_ANY, KEY_SCOPE_TOKEN)
+
+
+def key_prefix(owner: str) -> str:
+    """The prefix of every shared-memory key ``owner`` (owner_of's digest of a token) may
+    register under the "token" scope: ``ls`` and 16 hex digits of a digest of the owner, then
+    ``_``. A client computes it from its token (logitserve.client.key_prefix); the token cannot
+    be read back from it."""
+    return "ls" + hashlib.sha256(b"logitserve shm key prefix\0" + owner.encode()).hexdigest()[:16] + "_"
+
+
+def check_key_scope(plain: str, owner: str | None, scope: str, field: str = "key") -> None:
+    """``ValueError`` unless ``owner`` may map the object named ``plain`` under ``scope``. Decided
+    on the name alone, before anything is opened, so a refusal says nothing of whether the
+    object exists."""
+    if scope == KEY_SCOPE_ANY:
+        return
+    if owner is None:
+        raise ValueError(f"{field}: this server maps only shared-memory objects named with the caller's token "
+                         f"prefix (--shm-key-scope token), and the call carries no bearer token")
+    prefix = key_prefix(owner)
+    if not plain.startswith(prefix):
+        raise ValueError(f"{field}: must start with this token's prefix {prefix!r} (--shm-key-scope token: a "
+                         f"client maps only objects named for its own token; create the object under such a "
+                         f"name, e.g. Client.key_prefix + name)")
+
+
 def shown(text: str, limit: int = 64) -> str:
     """``repr(text)``, cut short: a hostile name can be long."""
     return repr(text if len(text) <= limit else text[:limit] + "...")

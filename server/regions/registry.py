@@ -11,8 +11,9 @@ from typing import Iterable, Sequence
 
 from ..errors import TooLarge
 from .cuda import open_cuda
-from .names import (CUDA_IPC_HANDLE_BYTES, DEFAULT_MAX_MAPPED_BYTES, DEFAULT_MAX_REGIONS, SHM_DIR, SYSTEM,
-                    RegionExists, RegionNotFound, kinds_of, shown, check_key, check_name)
+from .names import (CUDA_IPC_HANDLE_BYTES, DEFAULT_MAX_MAPPED_BYTES, DEFAULT_MAX_REGIONS, KEY_SCOPE_ANY, KEY_SCOPES,
+                    SHM_DIR, SYSTEM, RegionExists, RegionNotFound, kinds_of, shown, check_key, check_key_scope,
+                    check_name)
 from .region import Region, RegionInfo, RegionLease
 from .system import map_system
 
@@ -25,13 +26,18 @@ class RegionRegistry:
     registering past either raises :class:`~.errors.TooLarge`. ``devices``, when given, are the
     CUDA device indices a CUDA region may be on (the server's device); ``shm_dir`` is where the
     system's POSIX shared-memory objects are; ``pin_system`` page-locks each system region at
-    registration (a CUDA server: server/regions/pinning.py).
+    registration (a CUDA server: server/regions/pinning.py); ``key_scope`` is which objects an
+    owner may map (names.KEY_SCOPES: "token" confines each owner to keys with its own prefix).
     """
 
     def __init__(self, max_regions: int = DEFAULT_MAX_REGIONS, max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES,
-                 *, devices: Iterable[int] | None = None, shm_dir: str = SHM_DIR, pin_system: bool = False):
+                 *, devices: Iterable[int] | None = None, shm_dir: str = SHM_DIR, pin_system: bool = False,
+                 key_scope: str = KEY_SCOPE_ANY):
         if max_regions < 0 or max_mapped_bytes < 0:
             raise ValueError("max_regions and max_mapped_bytes must be >= 0")
+        if key_scope not in KEY_SCOPES:
+            raise ValueError(f"key_scope: must be one of {', '.join(KEY_SCOPES)}, got {key_scope!r}")
+        self.key_scope = key_scope
         self.max_regions = max_regions
         self.max_mapped_bytes = max_mapped_bytes
         self.devices = None if devices is None else frozenset(devices)
@@ -95,11 +101,13 @@ class RegionRegistry:
         ``shm_open`` name, with or without the leading '/') as region ``name`` of ``owner``.
 
         Opened read-write, or read-only when the object allows no more (such a region is refused
-        as an output). Raises ``ValueError`` (bad name, key, range; no such object; not a regular
-        object; past its end), :class:`RegionExists`, :class:`~.errors.TooLarge`.
+        as an output). Raises ``ValueError`` (bad name, key, range; a key outside the owner's
+        scope; no such object; not a regular object; past its end), :class:`RegionExists`,
+        :class:`~.errors.TooLarge`.
         """
         check_name(name)
         plain = check_key(key)
+        check_key_scope(plain, owner, self.key_scope)
         self._check_range(offset, byte_size)
         page_start = offset - offset % mmap.ALLOCATIONGRANULARITY
         length = offset + byte_size - page_start
