@@ -25,3 +25,7 @@ class Draining(Exception):
 
 class Unauthenticated(Exception):
     """Missing or wrong bearer token: UNAUTHENTICATED."""
+
+
+class NotFound(LookupError):
+    """No such thing to answer about (a KServe model or version): NOT_FOUND."""

@@ -9,7 +9,8 @@ and of the server's throughput.
 
 Status codes (the one place they are decided), by exception:
 
-- :class:`~.regions.RegionNotFound`: NOT_FOUND (no such region of the caller);
+- :class:`~.regions.RegionNotFound`: NOT_FOUND (no such region of the caller); also
+  :class:`~.errors.NotFound` (no such KServe model);
 - :class:`~.regions.RegionExists`: ALREADY_EXISTS (a region name registered twice);
 - ``ValueError``, ``TypeError``: INVALID_ARGUMENT, with the message;
 - :class:`~.errors.TooLarge`, :class:`~.errors.QueueFull`, ``torch.OutOfMemoryError``:
@@ -35,7 +36,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from .errors import DeadlineExpired, Draining, QueueFull, TooLarge, Unauthenticated
+from .errors import DeadlineExpired, Draining, NotFound, QueueFull, TooLarge, Unauthenticated
+from .identity import authorization_of
 from .logs import get_logger, log_event
 from .regions import RegionExists, RegionNotFound
 
@@ -51,7 +53,7 @@ MAX_REQUEST_ID = 128
 _LONG_ID = "Long-Request-Id"
 
 _STATUS = (
-    ((RegionNotFound,), grpc.StatusCode.NOT_FOUND),
+    ((RegionNotFound, NotFound), grpc.StatusCode.NOT_FOUND),
     ((RegionExists,), grpc.StatusCode.ALREADY_EXISTS),
     ((ValueError, TypeError), grpc.StatusCode.INVALID_ARGUMENT),
     ((TooLarge, QueueFull, torch.OutOfMemoryError), grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -91,8 +93,27 @@ def note_rows(rows: int) -> None:
         record.rows += rows
 
 
-def _metadata(context) -> dict[str, str]:
-    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+def _let_go(exc: BaseException) -> None:
+    """Drop what ``exc``, which ended a call, holds of that call: the tracebacks of it and of
+    the exceptions chained to it, and the chain. Called once its status is decided and logged.
+
+    A traceback holds the frames it went through, and they their locals: the request, its
+    tensors, the call's context. An exception reached back from those locals sat in a
+    reference cycle with them, freed only by a garbage collection: gRPC keeps an abort's error
+    on the call's state, which the context holds; an asyncio future keeps the error it failed
+    with, which the awaiting frame holds (the batcher's deadline, Sample's processor checks on
+    a worker thread). Every refused request stayed so (five refused 32 MB Samples: +215 MiB of
+    RSS; docs/RELIABILITY.md). Cut loose, they are freed by reference counting as the handler
+    returns."""
+    chain = [exc]
+    while chain:
+        link = chain.pop()
+        chain += [e for e in (link.__cause__, link.__context__) if e is not None]
+        link.__traceback__ = link.__cause__ = link.__context__ = None
+
+
+def _metadata(pairs) -> dict[str, str]:
+    return {k: v for k, v in pairs if isinstance(v, str)}
 
 
 # New request ids: a random prefix per process and a counter, unique across restarts and
@@ -149,8 +170,10 @@ def _rebuild(handler: grpc.RpcMethodHandler, unary, stream, parse=None) -> grpc.
 class Guard:
     """Wraps handlers: maps exceptions to status codes, records metrics, logs one line per RPC.
 
-    ``is_draining()`` true turns new calls away with UNAVAILABLE; with ``tokens`` (auth.TokenStore)
-    every call needs ``authorization: Bearer <token>``. Health checks are exempt from both.
+    ``is_draining()`` true turns new calls away with UNAVAILABLE; a call with several
+    ``authorization`` headers is UNAUTHENTICATED (identity.py), and with ``tokens``
+    (auth.TokenStore) every call needs ``authorization: Bearer <token>``. Health checks are
+    exempt from all three.
 
     The line of a call that succeeded (or was cancelled by its client) is at debug level: at
     info, formatting and writing a line per call costs a large share of the throughput.
@@ -179,11 +202,12 @@ class Guard:
         handler's own deserializer."""
         rpc = method.rsplit("/", 1)[-1]
         exempt = method.startswith(HEALTH_PREFIX)
-        tokens = None if exempt else self._tokens
 
         def admit(context):
-            """The call's record (set as the current one) and its metadata."""
-            metadata = _metadata(context)
+            """The call's record (set as the current one), its metadata (a dict) and its
+            metadata as sent (pairs, a key possibly more than once)."""
+            pairs = context.invocation_metadata() or ()
+            metadata = _metadata(pairs)
             given = metadata.get(REQUEST_ID_KEY)
             if given is not None and len(given) > MAX_REQUEST_ID:
                 metadata[_LONG_ID] = str(len(given))
@@ -196,22 +220,27 @@ class Guard:
             # Runs inside the handler's task: the record it sets is that call's alone.
             _current.set(record)
             context.set_trailing_metadata(((REQUEST_ID_KEY, record.request_id),))
-            return record, metadata
+            return record, metadata, pairs
 
-        def check(metadata, request, parse):
-            """The request, parsed, once the call may go on (token first, then any per-call work)."""
-            if not exempt and self._is_draining():
-                raise Draining("server is draining; retry on another replica")
-            if tokens is not None and not tokens.check(metadata.get("authorization")):
-                raise Unauthenticated("missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
+        def check(metadata, pairs, request, parse):
+            """The request, parsed, once the call may go on (identity first: one
+            ``authorization`` header, its token if tokens are on; then any per-call work)."""
+            if not exempt:  # health checks: answered while draining, no identity, no token
+                if self._is_draining():
+                    raise Draining("server is draining; retry on another replica")
+                authorization = authorization_of(pairs)
+                if self._tokens is not None and not self._tokens.check(authorization):
+                    raise Unauthenticated("missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
             if _LONG_ID in metadata:
                 raise ValueError(f"{REQUEST_ID_KEY}: at most {MAX_REQUEST_ID} characters, got "
                                  f"{metadata[_LONG_ID]}")
             return _parsed(request, parse)
 
         async def ended_by(exc: BaseException, record: CallRecord, context) -> None:
-            """Record how a call that raised ``exc`` ended. A cancellation (the client left) and
-            gRPC's own abort are re-raised; anything else is answered with its status."""
+            """Record how a call that raised ``exc`` ended and answer its status. A cancellation
+            (the client left) is re-raised. Anything else ends in gRPC's abort, whose error is
+            not raised on through the handler's frames: the handler returns, and gRPC, which
+            keeps the error, raises it again from its own code (see :func:`_let_go`)."""
             if isinstance(exc, asyncio.CancelledError):
                 if not (self._grace_over and record.counted):
                     record.code = grpc.StatusCode.CANCELLED
@@ -219,23 +248,28 @@ class Guard:
                 # Cancelled by end_calls(): the drain's grace period ended before the answer.
                 exc = Draining("server stopped: the drain's grace period ended before this call was answered; "
                                "retry on another replica")
-            if isinstance(exc, grpc.aio.AbortError):
+            if isinstance(exc, grpc.aio.AbortError):  # the handler aborted: its status is sent
                 record.code = context.code() or grpc.StatusCode.UNKNOWN
-                raise exc
+                _let_go(exc)
+                return
             record.code, message = status_for(exc)
             record.reason = message
             if record.code == grpc.StatusCode.INTERNAL:
                 log_event(log, "fault", level=logging.ERROR, exc_info=exc, request_id=record.request_id, rpc=rpc)
-            await context.abort(record.code, message)
+            _let_go(exc)
+            try:
+                await context.abort(record.code, message)
+            except grpc.aio.AbortError as aborted:
+                _let_go(aborted)
 
         def unary(behaviour, parse, serialize, writes=False):
             """``writes``: a streaming behaviour written as a coroutine that calls
             context.write(), which gRPC serializes."""
             async def wrapped(request, context):
                 t0 = time.perf_counter()
-                record, metadata = admit(context)
+                record, metadata, pairs = admit(context)
                 try:
-                    response = await behaviour(check(metadata, request, parse), context)
+                    response = await behaviour(check(metadata, pairs, request, parse), context)
                     return response if writes else self._sendable(response, serialize)
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - mapped to a status, never lost
                     await ended_by(exc, record, context)
@@ -252,10 +286,13 @@ class Guard:
 
             async def wrapped(request, context):
                 t0 = time.perf_counter()
-                record, metadata = admit(context)
+                record, metadata, pairs = admit(context)
                 try:
-                    async for response in behaviour(check(metadata, request, parse), context):
-                        yield self._sendable(response, serialize)
+                    async for response in behaviour(check(metadata, pairs, request, parse), context):
+                        # The message let go as it is serialized: while the answer waits
+                        # for the client to read it, only its bytes are held (server/held.py).
+                        response = self._sendable(response, serialize)
+                        yield response
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - as in unary
                     await ended_by(exc, record, context)
                 finally:

@@ -22,6 +22,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from .errors import TooLarge
+from .identity import authorization_of
 from .regions import CUDA, SYSTEM, RegionExists, RegionInfo, RegionNotFound, RegionRegistry, owner_of
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SharedMemory"].full_name
@@ -40,11 +41,9 @@ _KIND_ENUMS = {SYSTEM: pb.REGION_KIND_SYSTEM, CUDA: pb.REGION_KIND_CUDA}
 
 
 def caller(context) -> str | None:
-    """The owner of the calling client's regions (from its ``authorization`` metadata)."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization" and isinstance(value, str):
-            return owner_of(value)
-    return None
+    """The owner of the calling client's regions: owner_of its one ``authorization`` header,
+    the one the guard checked the token of (a call with several is refused: identity.py)."""
+    return owner_of(authorization_of(context.invocation_metadata() or ()))
 
 
 def _kind(value: int) -> str | None:

@@ -9,9 +9,14 @@ Wiring, in ``Service.__init__`` (``guarded`` the GuardedRegistrar, made with
     kserve.add_to_server(self, guarded)
 
 An unknown model or version answers NOT_FOUND; everything else maps as in guard.py. In
-``ModelStreamInfer`` a failed request is answered by its ``error_message`` (the message the
-unary call's status would carry) and the stream goes on; a draining server ends the stream
-UNAVAILABLE, as ``StreamSteps`` does.
+``ModelStreamInfer`` a failed request, or a message that does not parse, is answered by its
+``error_message`` (the message the unary call's status would carry) and the stream goes on, as
+in Triton; a draining server ends the stream UNAVAILABLE, as ``StreamSteps`` does.
+
+An inference's answer is held (server/held.py, --max-held-answer-bytes and its per-connection
+bound) from before its work until the RPC ends, or in a stream until gRPC has taken it, as
+logitserve.v1's are: past either bound it is refused (RESOURCE_EXHAUSTED, or its
+``error_message``) before any work.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import grpc
 from grpc_health.v1 import health_pb2
 
 from logitserve.kserve import grpc_service_pb2 as kpb
@@ -29,14 +33,13 @@ from logitserve.kserve import grpc_service_pb2_grpc as kpb_grpc
 
 from ..errors import Draining
 from ..guard import note_rows, status_for
-from ..regions import CUDA, SYSTEM, CallRegions
+from ..regions import CUDA, SYSTEM, CallRegions, RegionNotFound
 from ..regions_servicer import caller
 from . import translate
 from .models import MODELS, PLATFORM, VERSION
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 SERVICE_NAME = SERVICE.full_name
-_INFER_METHODS = ("ModelInfer", "ModelStreamInfer")
 
 
 @dataclass
@@ -48,13 +51,37 @@ class ReceivedInfer:
     raw: list
 
 
+@dataclass
+class Unparsed:
+    """A message of a ModelStreamInfer stream that is not a ModelInferRequest: answered by its
+    ``error_message``, the stream goes on (a unary call's is INVALID_ARGUMENT, by guard.py)."""
+
+    reason: str
+
+
 def _parse_infer(data: bytes) -> ReceivedInfer:
     return ReceivedInfer(*translate.split_raw(data))
 
 
+def _parse_stream_infer(data: bytes) -> ReceivedInfer | Unparsed:
+    try:
+        return _parse_infer(data)
+    except Exception as exc:  # noqa: BLE001 - DecodeError, or anything a corrupt message raises
+        return Unparsed(f"request: not a valid ModelInferRequest ({exc})")
+
+
 def request_parsers() -> dict:
     """The deserializers of the inference RPCs, by method path: raw_input_contents left in place."""
-    return {f"/{SERVICE_NAME}/{name}": _parse_infer for name in _INFER_METHODS}
+    return {f"/{SERVICE_NAME}/ModelInfer": _parse_infer, f"/{SERVICE_NAME}/ModelStreamInfer": _parse_stream_infer}
+
+
+def _region_bytes(registry, name: str, owner) -> int | None:
+    """The size of ``owner``'s region ``name``, None without one (the operator's validation
+    says so, naming the field)."""
+    try:
+        return registry.status(name, owner)[0].byte_size
+    except RegionNotFound:
+        return None
 
 
 class Statistics:
@@ -120,21 +147,14 @@ class InferenceServicer(kpb_grpc.GRPCInferenceServiceServicer):
             extensions.append("cuda_shared_memory")
         return kpb.ServerMetadataResponse(name=PLATFORM, version=self._service.version, extensions=extensions)
 
-    async def _model(self, name: str, version: str, context):
-        try:
-            return translate.model_of(name, version)
-        except translate.ModelNotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-
     async def ModelMetadata(self, request, context):
-        return (await self._model(request.name, request.version, context)).metadata()
+        return translate.model_of(request.name, request.version).metadata()
 
     async def ModelConfig(self, request, context):
-        model = await self._model(request.name, request.version, context)
-        return kpb.ModelConfigResponse(config=model.config())
+        return kpb.ModelConfigResponse(config=translate.model_of(request.name, request.version).config())
 
     async def ModelStatistics(self, request, context):
-        names = [(await self._model(request.name, request.version, context)).name] if request.name else list(MODELS)
+        names = [translate.model_of(request.name, request.version).name] if request.name else list(MODELS)
         return kpb.ModelStatisticsResponse(model_stats=[self.statistics.message(n) for n in names])
 
     async def RepositoryIndex(self, request, context):
@@ -149,8 +169,11 @@ class InferenceServicer(kpb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference --------------------------------------------------------------------------
 
-    async def _infer(self, received: ReceivedInfer, context) -> kpb.ModelInferResponse:
-        """One inference: translated, validated by its operator, batched, answered."""
+    async def _infer(self, received: ReceivedInfer, context, held: list | None = None,
+                     response: kpb.ModelInferResponse | None = None) -> kpb.ModelInferResponse:
+        """One inference: translated, validated by its operator, batched, answered (into
+        ``response`` when given). Its answer's bytes are held (server/held.py) until the RPC
+        ends, or, with ``held`` (a list), until the caller calls the function appended to it."""
         request = received.message
         model = translate.model_of(request.model_name, request.model_version)
         service = self._service
@@ -160,14 +183,22 @@ class InferenceServicer(kpb_grpc.GRPCInferenceServiceServicer):
         ok = False
         try:
             job = translate.to_v1(model, request, received.raw)
+            if regions is not None:
+                translate.check_capacities(job, lambda name: _region_bytes(registry, name, regions.owner))
             try:
                 call = model.call.from_pb(job.message, service.limits, in_place=job.in_place, regions=regions)
             except translate.RENAMED as exc:
                 raise translate.renamed(exc, job.names) from None
             note_rows(call.rows)
+            # The operator's answer size: the KServe answer carries the same tensors, its framing
+            # (output names, datatypes) differing by tens of bytes.
+            if held is None:
+                service.held.hold_until_done(context, call.answer_size)
+            else:
+                held.append(service.held.hold(context.peer() or "", call.answer_size))
             result = await service.batcher.submit(call, timeout=context.time_remaining())
             # Builds the answer (writing outputs into system regions) before the leases go.
-            response = translate.to_kserve(model, request.id, result.to_pb(), job.outputs)
+            response = translate.to_kserve(model, request.id, result.to_pb(), job.outputs, response)
             ok = True
             return response
         finally:
@@ -176,25 +207,36 @@ class InferenceServicer(kpb_grpc.GRPCInferenceServiceServicer):
             self.statistics.record(model.name, ok, time.perf_counter_ns() - t0)
 
     async def ModelInfer(self, request: ReceivedInfer, context):
-        try:
-            return await self._infer(request, context)
-        except translate.ModelNotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return await self._infer(request, context)
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
             if self._service.draining:
                 raise Draining("server is draining; reopen the stream on another replica")
+            held = []
             try:
-                response = await self._infer(request, context)
-            except translate.ModelNotFound as exc:
-                yield kpb.ModelStreamInferResponse(error_message=str(exc))
-            except Draining:
-                raise
-            except Exception as exc:  # noqa: BLE001 - answered in error_message, as its status would say
-                yield kpb.ModelStreamInferResponse(error_message=status_for(exc)[1])
-            else:
-                yield kpb.ModelStreamInferResponse(infer_response=response)
+                # The generator resumes once gRPC has taken the answer (written it, as the
+                # client's receive window allows): its bytes are held until then. Yielded as
+                # awaited, the answer is no local of this frame meanwhile.
+                yield await self._stream_answer(request, context, held)
+            finally:
+                for release in held:
+                    release()
+
+    async def _stream_answer(self, request: ReceivedInfer | Unparsed, context,
+                             held: list) -> kpb.ModelStreamInferResponse:
+        """One message of a stream answered: its inference (built in place, not copied into the
+        stream's message), or the error_message its unary call's status would carry."""
+        if isinstance(request, Unparsed):
+            return kpb.ModelStreamInferResponse(error_message=request.reason)
+        answer = kpb.ModelStreamInferResponse()
+        try:
+            await self._infer(request, context, held, answer.infer_response)
+        except Draining:
+            raise
+        except Exception as exc:  # noqa: BLE001 - answered in error_message, as its status would say
+            return kpb.ModelStreamInferResponse(error_message=status_for(exc)[1])
+        return answer
 
     # -- shared memory: the registry of logitserve.v1.SharedMemory ----------------------------
 

@@ -24,7 +24,7 @@ import numpy as np
 from logitserve.kserve import grpc_service_pb2 as kpb
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..errors import TooLarge
+from ..errors import NotFound, TooLarge
 from ..regions import RegionNotFound
 from ..wire import LEN, NotPlain, read_varint
 from .models import DATATYPE_NAMES, DATATYPES, ITEMSIZES, MODELS, VERSION, Model
@@ -41,8 +41,8 @@ _CONTENTS_FIELDS = tuple(f.name for f in kpb.InferTensorContents.DESCRIPTOR.fiel
 RAW_INPUT_CONTENTS = kpb.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
 
 
-class ModelNotFound(LookupError):
-    """No model (or version) of that name: NOT_FOUND."""
+class ModelNotFound(NotFound):
+    """No model (or version) of that name: NOT_FOUND (guard.py)."""
 
 
 def model_of(name: str, version: str = "") -> Model:
@@ -64,6 +64,9 @@ class Translated:
     in_place: dict
     outputs: list[str]
     names: dict[str, str]  # v1 field -> KServe name, for messages
+    # Output slices as given (KServe name -> RegionRef) whose byte_size, a capacity, was cut to
+    # the output's bytes in ``message``: :func:`check_capacities` holds them to their regions.
+    capacities: dict
 
 
 def _param_value(param, value: kpb.InferParameter, what: str):
@@ -179,13 +182,14 @@ def to_v1(model: Model, request: kpb.ModelInferRequest, raw: list) -> Translated
         except (ValueError, TypeError) as exc:
             raise ValueError(f"parameters[{key}]: {exc}") from None
         names.setdefault(key, f"parameters[{key}]")
-    outputs = _outputs(model, request, message, sizes, scalars)
+    capacities: dict = {}
+    outputs = _outputs(model, request, message, sizes, scalars, capacities)
     for port in model.outputs:
         names.setdefault(port.field, port.name)
-    return Translated(model, message, in_place, outputs, names)
+    return Translated(model, message, in_place, outputs, names, capacities)
 
 
-def _outputs(model: Model, request, message, sizes, scalars) -> list[str]:
+def _outputs(model: Model, request, message, sizes, scalars, capacities: dict) -> list[str]:
     wanted = []
     for out in request.outputs:
         port = model.output(out.name)
@@ -203,9 +207,23 @@ def _outputs(model: Model, request, message, sizes, scalars) -> list[str]:
             except (KeyError, IndexError, TypeError, ValueError):
                 need = None  # the inputs disagree: from_pb says how
             if need is not None and 0 < need <= ref.byte_size:
+                capacities[out.name] = pb.RegionRef(region=ref.region, offset=ref.offset, byte_size=ref.byte_size)
                 ref.byte_size = need
             message.output_regions[port.field].CopyFrom(ref)
     return wanted
+
+
+def check_capacities(job: Translated, region_bytes) -> None:
+    """Each output slice of ``job`` whose byte_size is a capacity lies within its region, as
+    Triton requires (the operator's validation sees only the output's first bytes of it);
+    ``region_bytes(name)``: the caller's region's size, None without one (the operator's
+    validation then says so). Raises ValueError naming the output."""
+    for name, ref in job.capacities.items():
+        size = region_bytes(ref.region)
+        end = ref.offset + ref.byte_size
+        if size is not None and end > size:
+            raise ValueError(f"{name} {SHM_REGION}: {SHM_OFFSET} {ref.offset} + {SHM_BYTES} {ref.byte_size} = "
+                             f"{end}, past the end of region {ref.region!r} ({size} bytes)")
 
 
 _DTYPE_WORDS = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32", "float64": "FP64", "int32": "INT32",
@@ -237,10 +255,14 @@ def renamed(exc: BaseException, names: dict[str, str]) -> BaseException:
 RENAMED = (ValueError, TypeError, TooLarge, RegionNotFound)
 
 
-def to_kserve(model: Model, request_id: str, answer, outputs: list[str]) -> kpb.ModelInferResponse:
-    """The ModelInferResponse of ``answer`` (the operator's logitserve.v1 answer); ``outputs``: the
-    names asked for (empty: every output)."""
-    response = kpb.ModelInferResponse(model_name=model.name, model_version=VERSION, id=request_id)
+def to_kserve(model: Model, request_id: str, answer, outputs: list[str],
+              response: kpb.ModelInferResponse | None = None) -> kpb.ModelInferResponse:
+    """The ModelInferResponse of ``answer`` (the operator's logitserve.v1 answer), written into
+    ``response`` when given (an empty one, such as a stream answer's ``infer_response``: the
+    answer is not copied into it); ``outputs``: the names asked for (empty: every output)."""
+    if response is None:
+        response = kpb.ModelInferResponse()
+    response.model_name, response.model_version, response.id = model.name, VERSION, request_id
     ports = [model.output(name) for name in outputs] if outputs else list(model.outputs)
     in_regions = []
     for port in ports:
