@@ -93,7 +93,7 @@ def note_rows(rows: int) -> None:
         record.rows += rows
 
 
-def _let_go(exc: BaseException) -> None:
+def let_go(exc: BaseException) -> None:
     """Drop what ``exc``, which ended a call, holds of that call: the tracebacks of it and of
     the exceptions chained to it, and the chain. Called once its status is decided and logged.
 
@@ -240,7 +240,7 @@ class Guard:
             """Record how a call that raised ``exc`` ended and answer its status. A cancellation
             (the client left) is re-raised. Anything else ends in gRPC's abort, whose error is
             not raised on through the handler's frames: the handler returns, and gRPC, which
-            keeps the error, raises it again from its own code (see :func:`_let_go`)."""
+            keeps the error, raises it again from its own code (see :func:`let_go`)."""
             if isinstance(exc, asyncio.CancelledError):
                 if not (self._grace_over and record.counted):
                     record.code = grpc.StatusCode.CANCELLED
@@ -250,17 +250,17 @@ class Guard:
                                "retry on another replica")
             if isinstance(exc, grpc.aio.AbortError):  # the handler aborted: its status is sent
                 record.code = context.code() or grpc.StatusCode.UNKNOWN
-                _let_go(exc)
+                let_go(exc)
                 return
             record.code, message = status_for(exc)
             record.reason = message
             if record.code == grpc.StatusCode.INTERNAL:
                 log_event(log, "fault", level=logging.ERROR, exc_info=exc, request_id=record.request_id, rpc=rpc)
-            _let_go(exc)
+            let_go(exc)
             try:
                 await context.abort(record.code, message)
             except grpc.aio.AbortError as aborted:
-                _let_go(aborted)
+                let_go(aborted)
 
         def unary(behaviour, parse, serialize, writes=False):
             """``writes``: a streaming behaviour written as a coroutine that calls

@@ -32,7 +32,7 @@ from logitserve.kserve import grpc_service_pb2 as kpb
 from logitserve.kserve import grpc_service_pb2_grpc as kpb_grpc
 
 from ..errors import Draining
-from ..guard import note_rows, status_for
+from ..guard import let_go, note_rows, status_for
 from ..regions import CUDA, SYSTEM, CallRegions, RegionNotFound
 from ..regions_servicer import caller
 from . import translate
@@ -235,7 +235,9 @@ class InferenceServicer(kpb_grpc.GRPCInferenceServiceServicer):
         except Draining:
             raise
         except Exception as exc:  # noqa: BLE001 - answered in error_message, as its status would say
-            return kpb.ModelStreamInferResponse(error_message=status_for(exc)[1])
+            message = status_for(exc)[1]
+            let_go(exc)  # the stream goes on: its traceback must not keep this request alive
+            return kpb.ModelStreamInferResponse(error_message=message)
         return answer
 
     # -- shared memory: the registry of logitserve.v1.SharedMemory ----------------------------
