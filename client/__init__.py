@@ -7,11 +7,13 @@
 
 ``AsyncClient`` takes the same arguments for asyncio. Shared-memory regions (tensors that cross
 without being copied into messages): ``client.register`` / ``register_system`` / ``register_cuda``
-/ ``shared_memory_status`` / ``unregister``, with the helpers of :mod:`logitserve.client.regions`
-(``shared_array``, ``shared_tensor``, ``shared_copy``, ``cuda_ipc_handle``); a tensor inside a
-region registered through the client is then sent by reference, every call takes ``out=``
-(outputs written in place) and ``stream=`` (the CUDA stream synchronized first), and the regions
-are unregistered when the client closes. Other tensors go as bytes copied once into the request
+/ ``shared_memory_status`` / ``unregister`` / ``reconcile_regions``, with the helpers of
+:mod:`logitserve.client.regions` (``shared_array``, ``shared_tensor``, ``shared_copy``,
+``cuda_ipc_handle``); a tensor inside a region registered through the client is then sent by
+reference, every call takes ``out=`` (outputs written in place) and ``stream=`` (the CUDA stream
+synchronized first), and the regions are unregistered when the client closes. The server knows
+each region by a name scoped to the client (:mod:`.region_names`), and ``unregister()`` touches
+only the client's own. Other tensors go as bytes copied once into the request
 (:mod:`logitserve.client.wire`). Failed calls raise
 :class:`LogitServeError` (``.code``, a ``grpc.StatusCode``, and ``.details``). Needs grpcio,
 protobuf and numpy; torch is optional (torch tensors are accepted when it is installed, and
@@ -20,8 +22,9 @@ protobuf and numpy; torch is optional (torch tensors are accepted when it is ins
 Modules, from the top: :mod:`.client` (``Client``, ``AsyncClient``: the operator methods and
 the calls), :mod:`.region_methods` (the SharedMemory service's methods, a mixin of both
 clients), :mod:`.transport` (channel, method paths, timeout, backoff, CUDA synchronization),
-:mod:`.messages` (requests built from tensors), :mod:`.results` (answers read), :mod:`.region_table` (the regions
-a client registered, found by address), :mod:`.regions` (shared memory to register and the
+:mod:`.messages` (requests built from tensors), :mod:`.results` (answers read),
+:mod:`.region_table` (the regions a client registered, found by address), :mod:`.region_names`
+(the caller's names and the server's), :mod:`.regions` (shared memory to register and the
 SharedMemory messages), :mod:`.wire` (serialization with tensor bytes copied once, answers read
 in place), :mod:`.codec` (tensors to and from Tensor messages), :mod:`.errors`.
 """

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import random
 import time
 from typing import AsyncIterator, Iterable, Iterator
 
@@ -29,9 +28,9 @@ from . import messages, results, wire
 from .errors import LogitServeError
 from .results import SampleResult, ServerInfo, StepResult, VerifyDraftResult
 from .region_methods import RegionMethods
-from .region_table import RegionTable
-from .transport import (BACKOFF_INITIAL_S, BACKOFF_MAX_S, CLIENT_TIMEOUT, METHOD_PATHS, open_channel, parse_as,
-                        synchronize)
+from .region_names import NEW_SCOPE, Scope
+from .region_table import Registrations, RegionTable
+from .transport import CLIENT_TIMEOUT, METHOD_PATHS, open_channel, parse_as, retry_delay, synchronize
 
 # How long close() gives the unregistering of the client's regions, in all.
 CLOSE_TIMEOUT_S = 5.0
@@ -45,14 +44,15 @@ class _Methods(RegionMethods):
     methods have no serializers of their own.
     """
 
-    def __init__(self, timeout: float | None, retries: int, token: str | None, unregister_on_close: bool):
+    def __init__(self, timeout: float | None, retries: int, token: str | None, unregister_on_close: bool,
+                 region_scope):
         if retries < 0:
             raise ValueError(f"retries: must be >= 0, got {retries}")
         self.timeout = timeout
         self.retries = retries
         self.unregister_on_close = unregister_on_close
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._regions = RegionTable()
+        self._regions = RegionTable(Scope(region_scope))
         self._recycler = wire.Recycler()
 
     def _bind(self, channel) -> None:
@@ -61,21 +61,17 @@ class _Methods(RegionMethods):
         self._methods = {rpc: (channel.stream_stream(path) if streaming else channel.unary_unary(path))
                          for rpc, (path, streaming) in METHOD_PATHS.items()}
 
-    def _call(self, rpc: str, request: bytes, timeout, parse):
+    def _call(self, rpc: str, request: bytes, timeout, parse, on_error=None):
+        """``parse(answer)``; a failure raises ``on_error(LogitServeError)`` (default: the error)."""
+        raise NotImplementedError
+
+    def _call_each(self, calls, combine):
+        """``combine([result of each call])``: ``calls`` are ``_call``'s arguments, made in order."""
         raise NotImplementedError
 
     def _deadline(self, timeout) -> float | None:
         timeout = self.timeout if timeout is CLIENT_TIMEOUT else timeout
         return None if timeout is None else time.monotonic() + timeout
-
-    def _retry_delay(self, exc: grpc.RpcError, attempt: int, deadline: float | None) -> float | None:
-        """Seconds to wait before retrying a failed attempt, or None to give up."""
-        if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self.retries:
-            return None
-        delay = min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2**attempt) * random.uniform(0.5, 1.0)
-        if deadline is not None and time.monotonic() + delay >= deadline:
-            return None
-        return delay
 
     def _encoder(self) -> messages.Encoder:
         return messages.Encoder(self._regions)
@@ -86,20 +82,22 @@ class _Methods(RegionMethods):
         synchronize(enc.cuda_devices, stream)
         payload = enc.serialize(msg, self._recycler)
         self._recycler.give_back(payload)  # reused only once nothing references it (after this call)
-        return self._call(rpc, payload, timeout, results.reader(response_type, read, enc.outputs))
+        return self._call(rpc, payload, timeout, results.reader(response_type, read, enc.outputs),
+                          self._forgetting_missing(enc.referenced))
 
-    def _simple(self, rpc: str, msg, response_type, convert, timeout, after=None):
-        return self._call(rpc, msg.SerializeToString(), timeout, parse_as(response_type, convert, after))
+    def _simple(self, rpc: str, msg, response_type, convert, timeout, after=None, on_error=None):
+        return self._call(rpc, msg.SerializeToString(), timeout, parse_as(response_type, convert, after), on_error)
 
-    def _step_bytes(self, step, pending: collections.deque) -> bytes:
-        """One step of a stream as bytes; its ``out=`` outputs queued for its answer."""
-        if isinstance(step, pb.StepRequest):
-            pending.append({})
-            return step.SerializeToString()
+    def _step_bytes(self, step, pending: collections.deque, named: Registrations | None = None) -> bytes:
+        """One step of a stream as bytes; its ``out=`` outputs queued for its answer, the
+        registrations it names added to ``named`` (when given)."""
         enc = self._encoder()
         stream = step.get("stream") if isinstance(step, dict) else None
-        msg = messages.build_step(enc, **{k: v for k, v in step.items() if k != "stream"})
+        msg = enc.given(step) if isinstance(step, pb.StepRequest) else \
+            messages.build_step(enc, **{k: v for k, v in step.items() if k != "stream"})
         synchronize(enc.cuda_devices, stream)
+        if named is not None:
+            named.update(enc.referenced)
         pending.append(enc.outputs)
         return enc.serialize(msg)
 
@@ -243,7 +241,8 @@ class Client(_Methods):
     ``authorization: Bearer <token>``. ``options`` are extra gRPC channel options.
 
     Regions registered through the client are unregistered when it closes (best effort, within
-    ``CLOSE_TIMEOUT_S``; ``unregister_on_close=False`` leaves them registered).
+    ``CLOSE_TIMEOUT_S``; ``unregister_on_close=False`` leaves them registered). The server knows
+    each as ``<region_scope>.<name>``: ``region_scope`` random per client by default (:mod:`.region_names`).
 
     Ordering, for tensors in shared memory: before a call whose tensors or ``out=`` name CUDA
     memory, the client synchronizes the stream that produced them (``stream=``, or each
@@ -254,13 +253,13 @@ class Client(_Methods):
 
     def __init__(self, target: str, *, timeout: float | None = None, retries: int = 3, root_certificates=None,
                  certificate_chain=None, private_key=None, token: str | None = None, options=(),
-                 unregister_on_close: bool = True):
-        super().__init__(timeout, retries, token, unregister_on_close)
+                 unregister_on_close: bool = True, region_scope=NEW_SCOPE):
+        super().__init__(timeout, retries, token, unregister_on_close, region_scope)
         self.target = target
         self._bind(open_channel(grpc, target, root_certificates=root_certificates, certificate_chain=certificate_chain,
                             private_key=private_key, options=options))
 
-    def _call(self, rpc: str, request: bytes, timeout, parse):
+    def _call(self, rpc: str, request: bytes, timeout, parse, on_error=None):
         method = self._methods[rpc]
         deadline = self._deadline(timeout)
         attempt = 0
@@ -269,11 +268,15 @@ class Client(_Methods):
             try:
                 return parse(method(request, timeout=remaining, metadata=self._metadata))
             except grpc.RpcError as exc:
-                delay = self._retry_delay(exc, attempt, deadline)
+                delay = retry_delay(exc, attempt, self.retries, deadline)
                 if delay is None:
-                    raise LogitServeError.from_rpc_error(exc) from None
+                    error = LogitServeError.from_rpc_error(exc)
+                    raise (error if on_error is None else on_error(error)) from None
             time.sleep(delay)
             attempt += 1
+
+    def _call_each(self, calls, combine):
+        return combine([self._call(*call) for call in calls])
 
     def stream_steps(self, steps: Iterable, *, timeout=CLIENT_TIMEOUT) -> Iterator[StepResult]:
         """One :class:`StepResult` per step of ``steps`` (dicts of :meth:`step`'s arguments,
@@ -284,13 +287,14 @@ class Client(_Methods):
         deadline = self._deadline(timeout)
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         pending: collections.deque = collections.deque()
-        call = self._methods["StreamSteps"]((self._step_bytes(s, pending) for s in steps), timeout=remaining,
+        named: Registrations = {}
+        call = self._methods["StreamSteps"]((self._step_bytes(s, pending, named) for s in steps), timeout=remaining,
                                             metadata=self._metadata)
         try:
             for raw in call:
                 yield results.reader(pb.StepResponse, results.step_result, pending.popleft())(raw)
         except grpc.RpcError as exc:
-            raise LogitServeError.from_rpc_error(exc) from None
+            raise self._region_error(LogitServeError.from_rpc_error(exc), named) from None
         finally:
             call.cancel()
 
@@ -324,39 +328,47 @@ class AsyncClient(_Methods):
 
     def __init__(self, target: str, *, timeout: float | None = None, retries: int = 3, root_certificates=None,
                  certificate_chain=None, private_key=None, token: str | None = None, options=(),
-                 unregister_on_close: bool = True):
-        super().__init__(timeout, retries, token, unregister_on_close)
+                 unregister_on_close: bool = True, region_scope=NEW_SCOPE):
+        super().__init__(timeout, retries, token, unregister_on_close, region_scope)
         self.target = target
         self._bind(open_channel(grpc.aio, target, root_certificates=root_certificates,
                             certificate_chain=certificate_chain, private_key=private_key, options=options))
 
-    def _call(self, rpc: str, request: bytes, timeout, parse):
-        return self._acall(self._methods[rpc], request, self._deadline(timeout), parse)
+    def _call(self, rpc: str, request: bytes, timeout, parse, on_error=None):
+        return self._acall(self._methods[rpc], request, self._deadline(timeout), parse, on_error)
 
-    async def _acall(self, method, request, deadline, parse):
+    async def _acall(self, method, request, deadline, parse, on_error):
         attempt = 0
         while True:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
                 return parse(await method(request, timeout=remaining, metadata=self._metadata))
             except grpc.RpcError as exc:
-                delay = self._retry_delay(exc, attempt, deadline)
+                delay = retry_delay(exc, attempt, self.retries, deadline)
                 if delay is None:
-                    raise LogitServeError.from_rpc_error(exc) from None
+                    error = LogitServeError.from_rpc_error(exc)
+                    raise (error if on_error is None else on_error(error)) from None
             await asyncio.sleep(delay)
             attempt += 1
+
+    def _call_each(self, calls, combine):
+        async def each():
+            return combine([await self._call(*call) for call in calls])
+
+        return each()
 
     async def stream_steps(self, steps, *, timeout=CLIENT_TIMEOUT) -> AsyncIterator[StepResult]:
         """:meth:`Client.stream_steps` for asyncio: ``steps`` may be an async or plain iterable."""
         pending: collections.deque = collections.deque()
+        named: Registrations = {}
 
         async def requests():
             if hasattr(steps, "__aiter__"):
                 async for s in steps:
-                    yield self._step_bytes(s, pending)
+                    yield self._step_bytes(s, pending, named)
             else:
                 for s in steps:
-                    yield self._step_bytes(s, pending)
+                    yield self._step_bytes(s, pending, named)
 
         deadline = self._deadline(timeout)
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -365,7 +377,7 @@ class AsyncClient(_Methods):
             async for raw in call:
                 yield results.reader(pb.StepResponse, results.step_result, pending.popleft())(raw)
         except grpc.RpcError as exc:
-            raise LogitServeError.from_rpc_error(exc) from None
+            raise self._region_error(LogitServeError.from_rpc_error(exc), named) from None
         finally:
             call.cancel()
 

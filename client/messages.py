@@ -18,7 +18,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 
 from . import codec, wire
 from .codec import dtype_name, is_torch
-from .region_table import RegionTable
+from .region_table import Located, Registrations, RegionTable
 
 FILTER_ORDERS = {"top_k_first": pb.FILTER_ORDER_TOP_K_FIRST, "joint": pb.FILTER_ORDER_JOINT}
 STEP_OPS = ("sample", "route_experts", "softmax", "causal_softmax", "silu", "swiglu")
@@ -38,26 +38,42 @@ class Encoder:
     """One request in the making: the tensors' bytes held apart (``data``, by path), the
     outputs given with ``out=`` (``outputs``, by path: returned in place of decoded arrays) and
     the CUDA devices whose memory the request names (``cuda_devices``: their streams are
-    synchronized before it is sent). ``table``: the client's regions (None: every tensor goes
-    as bytes, and ``out=`` is refused)."""
+    synchronized before it is sent), and the registrations it names (``referenced``, ``{server
+    name: serial}``: a NOT_FOUND for one drops it from the table). ``table``: the client's
+    regions (None: every tensor goes as bytes, and ``out=`` is refused)."""
 
     def __init__(self, table: RegionTable | None = None):
         self.table = table
         self.data: dict[wire.Path, memoryview] = {}
         self.outputs: dict[wire.Path, Any] = {}
         self.cuda_devices: set[int] = set()
+        self.referenced: Registrations = {}
+
+    def given(self, msg):
+        """A message the caller built (a Tensor, an operator's request), the regions it names by
+        a name registered through the client renamed to the server's name (other names go as
+        written)."""
+        if self.table is None:
+            return msg
+        msg, named = self.table.references(msg)
+        self.referenced.update(named)
+        return msg
+
+    def _located(self, where: Located) -> pb.RegionRef:
+        if where.device is not None:
+            self.cuda_devices.add(where.device)
+        self.referenced[where.region] = where.serial
+        return where.ref()
 
     def tensor(self, x, path: wire.Path, label: str) -> pb.Tensor:
         """The Tensor for argument ``x`` at ``path``: a region reference when ``x`` lies in a
         registered region, else its header, its bytes kept in ``data``. A ``pb.Tensor`` (e.g.
-        ``regions.region_tensor``) is taken as it is."""
+        ``regions.region_tensor``) is taken as it is, its region's name translated (:meth:`given`)."""
         if isinstance(x, pb.Tensor):
-            return x
+            return self.given(x)
         where = self.table.locate(x) if self.table is not None else None
         if where is not None:
-            if where.device is not None:
-                self.cuda_devices.add(where.device)
-            return pb.Tensor(dtype=codec.wire_dtype(x), shape=tuple(x.shape), region=where.ref())
+            return pb.Tensor(dtype=codec.wire_dtype(x), shape=tuple(x.shape), region=self._located(where))
         dtype, shape, data = codec.tensor_parts(x, label)
         self.data[path] = data
         return pb.Tensor(dtype=dtype, shape=shape)
@@ -97,9 +113,7 @@ class Encoder:
             if where is None:
                 raise ValueError(f"{label}: not inside a region registered through this client (register it with "
                                  f"register_system / register_cuda; it must be contiguous and little-endian)")
-            if where.device is not None:
-                self.cuda_devices.add(where.device)
-            msg.output_regions[name].CopyFrom(where.ref())
+            msg.output_regions[name].CopyFrom(self._located(where))
             self.outputs[(*path, name)] = obj
 
     def serialize(self, msg, recycler: wire.Recycler | None = None) -> bytes:
@@ -293,7 +307,7 @@ def build_step(enc: Encoder, id: str = "", **ops: Mapping[str, Any] | None) -> p
         if kwargs is None:
             continue
         slot = "silu" if name == "swiglu" else name
-        built = kwargs if not isinstance(kwargs, Mapping) else _BUILDERS[name](enc, (slot,), **kwargs)
+        built = enc.given(kwargs) if not isinstance(kwargs, Mapping) else _BUILDERS[name](enc, (slot,), **kwargs)
         getattr(msg, slot).CopyFrom(built)
     return msg
 

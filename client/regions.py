@@ -206,7 +206,8 @@ def cuda_ipc_handle(tensor) -> CudaIpcHandle:
 
 @dataclass(frozen=True)
 class RegionStatus:
-    """One region as ``shared_memory_status`` reports it."""
+    """One region as ``shared_memory_status`` reports it: ``name`` the caller's name for a region
+    registered through the client, ``server_name`` the server's (:mod:`.region_names`)."""
 
     name: str
     kind: str  # "system" or "cuda"
@@ -215,6 +216,7 @@ class RegionStatus:
     byte_size: int
     device_id: int
     in_use: int
+    server_name: str = ""
 
 
 def region_ref(region: str, byte_size: int, offset: int = 0) -> pb.RegionRef:
@@ -281,12 +283,9 @@ def cuda_request(name: str, handle, device_id: int | None, byte_size: int | None
 
 
 def status_result(msg: pb.SharedMemoryStatusResponse) -> list[RegionStatus]:
+    """The regions of a status answer, under the server's names."""
     return [RegionStatus(r.name, _KIND_NAMES.get(r.kind, str(r.kind)), r.key, r.offset, r.byte_size, r.device_id,
-                         r.in_use) for r in msg.regions]
-
-
-def unregister_result(msg: pb.UnregisterSharedMemoryResponse) -> list[str]:
-    return list(msg.names)
+                         r.in_use, r.name) for r in msg.regions]
 
 
 def registered(msg) -> None:

@@ -1,5 +1,5 @@
 """What both clients need around a call: the channel, the RPCs' method paths, the timeout
-sentinel, the retry backoff, parsing an answer and the CUDA synchronization before a call.
+sentinel, the retry backoff (:func:`retry_delay`), parsing an answer and the CUDA synchronization before a call.
 
 :mod:`.client` builds ``Client`` and ``AsyncClient`` on these; nothing here knows the operators.
 """
@@ -7,6 +7,8 @@ sentinel, the retry backoff, parsing an answer and the CUDA synchronization befo
 from __future__ import annotations
 
 import os
+import random
+import time
 
 import grpc
 
@@ -53,6 +55,17 @@ def synchronize(devices: set[int], stream) -> None:
 
     for device in sorted(devices):
         torch.cuda.current_stream(device).synchronize()
+
+
+def retry_delay(exc: grpc.RpcError, attempt: int, retries: int, deadline: float | None) -> float | None:
+    """Seconds to wait before retrying failed attempt ``attempt`` (from 0) of at most ``retries``
+    retries, or None to give up: only UNAVAILABLE is retried, never past ``deadline``."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= retries:
+        return None
+    delay = min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2**attempt) * random.uniform(0.5, 1.0)
+    if deadline is not None and time.monotonic() + delay >= deadline:
+        return None
+    return delay
 
 
 def parse_as(response_type, convert, after=None):

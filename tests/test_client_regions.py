@@ -157,8 +157,11 @@ def test_the_client_sends_references_returns_out_and_unregisters_on_close(record
         assert c.registered == ["logits", "out", "plain"]
         result = c.sample(buf.array[1:3], seed=1, out={"token_ids": outs.array[2:4]})
         sent = pb.SampleRequest.FromString(recorder.requests("Sample")[-1])
-        assert sent.logits.region == pb.RegionRef(region="logits", offset=64, byte_size=128)
-        assert sent.output_regions["token_ids"] == pb.RegionRef(region="out", offset=16, byte_size=16)
+        # The server knows each region by the client's scoped name; the caller never writes it.
+        scoped = {name: f"{c.region_scope}.{name}" for name in ("logits", "out", "plain")}
+        assert c.server_name("logits") == scoped["logits"]
+        assert sent.logits.region == pb.RegionRef(region=scoped["logits"], offset=64, byte_size=128)
+        assert sent.output_regions["token_ids"] == pb.RegionRef(region=scoped["out"], offset=16, byte_size=16)
         assert result.token_ids is not None and np.shares_memory(result.token_ids, outs.array)
         assert result.seeds.tolist() == [0, 0] and result.valid.tolist() == [True, True]  # as bytes
         y = c.softmax(buf.array, out=buf.array)  # in place
@@ -172,9 +175,26 @@ def test_the_client_sends_references_returns_out_and_unregisters_on_close(record
         with pytest.raises(TypeError, match="register: 'x': give a SharedHostBuffer"):
             c.register("x", np.zeros(3))
     unregistered = [pb.UnregisterSharedMemoryRequest.FromString(r).name for r in recorder.requests("UnregisterSharedMemory")]
-    assert unregistered == ["plain", "logits", "out"]
+    assert unregistered == [scoped["plain"], scoped["logits"], scoped["out"]]
     assert c.registered == []
     c.close()  # twice: nothing left, nothing raised
+
+
+def test_unregister_names_this_clients_regions_and_all_of_caller_is_the_empty_name(recorder, host):
+    """Issue 37: ``unregister()`` sends one request per region registered through the client,
+    under the server's names; only ``all_of_caller=True`` sends the empty name (every region of
+    the caller, other clients' included)."""
+    buf = host((2, 2))
+    with Client(recorder.target, timeout=30, unregister_on_close=False) as c:
+        c.register("a", buf)
+        c.register_system("b", buf.key, 8)
+        n = len(recorder.requests("UnregisterSharedMemory"))
+        assert c.unregister() == ["a", "b"] and c.registered == []
+        sent = [pb.UnregisterSharedMemoryRequest.FromString(r) for r in recorder.requests("UnregisterSharedMemory")[n:]]
+        assert sent == [pb.UnregisterSharedMemoryRequest(name=c.server_name(x)) for x in ("a", "b")]
+        c.unregister(all_of_caller=True, kind="system")
+        assert recorder.requests("UnregisterSharedMemory")[-1] == pb.UnregisterSharedMemoryRequest(
+            kind=pb.REGION_KIND_SYSTEM).SerializeToString()
 
 
 def test_close_never_raises_and_can_keep_regions(recorder, host):
@@ -198,7 +218,8 @@ def test_close_never_raises_and_can_keep_regions(recorder, host):
         return ac
 
     ac = asyncio.run(main())
-    assert recorder.requests("UnregisterSharedMemory")[-1] == pb.UnregisterSharedMemoryRequest(name="c").SerializeToString()
+    assert recorder.requests("UnregisterSharedMemory")[-1] == \
+        pb.UnregisterSharedMemoryRequest(name=f"{ac.region_scope}.c").SerializeToString()
     assert ac.registered == []
 
 

@@ -98,7 +98,7 @@ def test_every_rpc_in_system_shared_memory_equals_the_byte_path(server, shm):
         assert [s.id for s in stream] == ["0", "1", "2"] and all(s.silu is dest for s in stream)
         assert np.array_equal(dest, plain.silu(np.array(x.array)))
     with Client(server.target, timeout=120) as c:
-        assert c.shared_memory_status() == []  # unregistered on close
+        assert c.shared_memory_status(all_of_caller=True) == []  # unregistered on close
 
 
 def test_async_client_end_to_end(server, shm):
@@ -116,7 +116,7 @@ def test_async_client_end_to_end(server, shm):
     assert names == ["o", "x"]
     with Client(server.target, timeout=120) as c:
         assert np.array_equal(got, c.softmax(np.array(x.array)))
-        assert c.shared_memory_status() == []
+        assert c.shared_memory_status(all_of_caller=True) == []
 
 
 def test_a_region_named_by_a_call_must_be_registered_by_the_caller(server, shm):
@@ -159,7 +159,8 @@ def test_cuda_tensor_at_an_offset_used_from_this_process():
         assert status.kind == "cuda" and status.offset == 4096 * 4 and status.byte_size == region.numel() * 4
         enc = messages.Encoder(c._regions)
         msg = messages.build_sample(enc, (), logits)
-        assert msg.logits.region == pb.RegionRef(region="logits", offset=512 * 4, byte_size=B * V * 4)
+        assert msg.logits.region == pb.RegionRef(region=c.server_name("logits"), offset=512 * 4,
+                                                 byte_size=B * V * 4)
         # The producing stream is passed: it is synchronized before the call.
         got = c.sample(logits, **kw, stream=stream)
         expect = sample(logits, **kw).cpu().numpy()

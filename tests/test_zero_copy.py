@@ -47,7 +47,8 @@ class Caller:
         self.stub = pb_grpc.LogitServeStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.token = token
-        self.client = Client(target, token=token, timeout=300)
+        # region_scope=None: the raw stubs name the regions by the names the client registered.
+        self.client = Client(target, token=token, timeout=300, region_scope=None)
 
     def __getattr__(self, rpc: str):
         method = getattr(self.stub, rpc)
