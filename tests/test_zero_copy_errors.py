@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from logitserve.client import LogitServeError
+from logitserve.client.keys import scoped_key
 from logitserve.v1 import logitserve_pb2 as pb
 from test_zero_copy import Arena, Caller, data, in_region, start_server, value
 
@@ -161,7 +162,10 @@ def test_bad_registrations(server, alice):
         (lambda: client.register_system("a/b", arena.buf), INVALID, "name: 'a/b' is not a valid region name"),
         (lambda: client.register_system("x", "../../etc/passwd", 8), INVALID,
          "key: '../../etc/passwd' is not a plain shared-memory name"),
-        (lambda: client.register_system("x", "no-such-object-zc", 8), INVALID, "key: no shared-memory object"),
+        (lambda: client.register_system("x", scoped_key(alice.token, "no-such-object-zc"), 8), INVALID,
+         "key: no shared-memory object"),
+        (lambda: client.register_system("x", "no-such-object-zc", 8), INVALID,
+         "key: must start with this token's prefix"),
         (lambda: client.register_system("x", arena.buf.key, 1 << 17), INVALID, "offset + byte_size: 0 + 131072"),
         (lambda: client.register_cuda("x", b"\0" * 64, device_id=0, byte_size=8), INVALID,
          "device_id: 0 is not a device of this server (none)"),
