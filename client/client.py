@@ -51,6 +51,7 @@ class _Methods(RegionMethods):
         self.timeout = timeout
         self.retries = retries
         self.unregister_on_close = unregister_on_close
+        self._token = token
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._regions = RegionTable(Scope(region_scope))
         self._recycler = wire.Recycler()

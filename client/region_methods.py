@@ -24,7 +24,7 @@ import grpc
 
 from logitserve.v1 import logitserve_pb2 as pb
 
-from . import codec, regions
+from . import codec, keys, regions
 from .region_table import Registrations
 from .transport import CLIENT_TIMEOUT, parse_as
 
@@ -53,6 +53,19 @@ class RegionMethods:
         """The name the server knows region ``name`` by: what a message built outside this
         client, tritonclient or the server's logs name it."""
         return self._regions.server_name(name, global_name)
+
+    @property
+    def key_prefix(self) -> str:
+        """The prefix of every shared-memory key this client's token may register on a server
+        that scopes keys to tokens (``--shm-key-scope token``, its default with tokens); "" without
+        a token."""
+        return keys.key_prefix(self._token) if self._token else ""
+
+    def shm_key(self, name: str | None = None) -> str | None:
+        """A key for a new shared-memory object this client may register: :attr:`key_prefix` and
+        ``name`` (fresh when None); without a token ``name`` as it is. For
+        ``regions.shared_array(shape, dtype, key=client.shm_key())`` and its siblings."""
+        return keys.scoped_key(self._token, name)
 
     def register(self, name: str, x, *, global_name: bool = False, timeout=CLIENT_TIMEOUT):
         """Register ``x`` as region ``name``: a :class:`~.regions.SharedHostBuffer`

@@ -73,7 +73,8 @@ def test_another_tokens_key_is_refused_and_says_nothing_of_it(server, alice_logi
             assert other.details.startswith("key: must start with this token's prefix")
             assert bob.shared_memory_status() == []
             # Bob's own object, named for his token, registers and serves.
-            own = client_regions.shared_copy(np.ones((2, 4), np.float32), key=scoped_key(bob_token))
+            assert bob.key_prefix == key_prefix(bob_token) and bob.shm_key("x") == key_prefix(bob_token) + "x"
+            own = client_regions.shared_copy(np.ones((2, 4), np.float32), key=bob.shm_key())
             try:
                 bob.register("mine", own)
                 np.testing.assert_allclose(bob.softmax(own.array), np.full((2, 4), 0.25), rtol=1e-6)

@@ -84,7 +84,7 @@ def check_key_scope(plain: str, owner: str | None, scope: str, field: str = "key
     if not plain.startswith(prefix):
         raise ValueError(f"{field}: must start with this token's prefix {prefix!r} (--shm-key-scope token: a "
                          f"client maps only objects named for its own token; create the object under such a "
-                         f"name, e.g. Client.key_prefix + name)")
+                         f"name, e.g. key=Client.shm_key())")
 
 
 def shown(text: str, limit: int = 64) -> str:
