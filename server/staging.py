@@ -8,7 +8,10 @@ copy back into page-locked memory, read once the launch's stream is done
 (:meth:`.device.DeviceHandle.run` waits for it). On the CPU both are plain copies.
 
 The packing is byte copies through a memoryview, not torch calls: each torch call releases the
-GIL, and in the busy server the launch thread then waits for the event loop to give it back.
+GIL, and in the busy server the launch thread then waits for the event loop to give it back. A
+piece in a system region is read from its object straight into the buffer (``os.preadv``,
+server/regions/access.py), never through a mapping: its client may shrink the object meanwhile,
+and the read then fails the call (``ValueError``) where touching a mapping would fault.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 
 import torch
 
+from .regions.access import SystemSlice
 from .tensors import HostTensor
 
 # Every part starts on a 16-byte boundary: Triton specialises on a pointer's 16-byte alignment,
@@ -72,10 +76,14 @@ class Staging:
         return tuple((shape, dtype, offset) for _, shape, dtype, offset in self._parts)
 
     def write(self, host: memoryview) -> None:
-        """Copy the parts into ``host``, a writable byte view of at least :attr:`nbytes`."""
+        """Copy the parts into ``host``, a writable byte view of at least :attr:`nbytes`;
+        ``ValueError`` naming the region when a region's object has shrunk under its piece."""
         for chunks, _, _, offset in self._parts:
             for chunk in chunks:
-                host[offset:offset + len(chunk)] = chunk
+                if type(chunk) is SystemSlice:
+                    chunk.read_into(host[offset:offset + len(chunk)])
+                else:
+                    host[offset:offset + len(chunk)] = chunk
                 offset += len(chunk)
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:

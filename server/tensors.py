@@ -32,6 +32,7 @@ import torch
 from logitserve.v1 import logitserve_pb2 as pb
 
 from .regions import CUDA, region_of
+from .regions.access import SystemSlice
 
 TORCH_DTYPES: dict[int, torch.dtype] = {
     pb.DTYPE_FLOAT16: torch.float16,
@@ -99,11 +100,11 @@ class HostTensor(_Shaped):
     and a Sample call makes three on its way to the GPU.
     """
 
-    data: bytes | memoryview
+    data: bytes | memoryview | SystemSlice  # SystemSlice: a system region's, read through its descriptor
     dtype: torch.dtype
     shape: tuple[int, ...]
     # The bytes are a registered system shared-memory region's (a lease of the call holds it):
-    # on the CPU device the kernels read them in place.
+    # staged like bytes, read from the object through its descriptor (server/regions/access.py).
     in_region: bool = False
     # ... page-locked (a CUDA server's region): the device copies them by DMA, never staged.
     pinned: bool = False
@@ -119,7 +120,11 @@ class HostTensor(_Shaped):
         return HostTensor(self.data, self.dtype, self._shape_of(shape), self.in_region, self.pinned)
 
     def torch(self) -> torch.Tensor:
-        """A CPU tensor viewing the bytes; read it, never write it (the bytes are immutable)."""
+        """A CPU tensor viewing the bytes; read it, never write it (the bytes are immutable). A
+        system region's bytes are read from its object into a new tensor: never viewed, since
+        its client may shrink it under the view (server/regions/access.py)."""
+        if type(self.data) is SystemSlice:
+            return self.data.copy_out(self.dtype, self.shape)
         with warnings.catch_warnings():
             # torch warns that bytes are not writable; the tensor is only ever read.
             warnings.simplefilter("ignore", UserWarning)
@@ -128,7 +133,8 @@ class HostTensor(_Shaped):
 
     def tolist(self) -> list:
         """The elements as Python numbers (int32, int64, float32, float64), in C order."""
-        return list(struct.unpack(f"<{self.numel()}{_STRUCT_CODES[self.dtype]}", self.data))
+        data = self.data.read() if type(self.data) is SystemSlice else self.data
+        return list(struct.unpack(f"<{self.numel()}{_STRUCT_CODES[self.dtype]}", data))
 
 
 @dataclass(eq=False, slots=True)

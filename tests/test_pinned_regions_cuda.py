@@ -38,11 +38,13 @@ def test_a_registered_system_region_is_page_locked_until_unregistered():
                 addresses.add(lease.tensor().data_ptr())
             registry.unregister("r")
         assert len(addresses) < 3  # an address was mapped twice, so the test shows what it claims
-        # Unpinned registries (a CPU server) leave regions pageable.
+        # Unpinned registries (a CPU server) leave regions unmapped: read through the descriptor.
         plain = RegionRegistry()
         plain.register_system("r", buf.key, 0, buf.byte_size)
         with plain.resolve(ref, torch.float32, (1000,)) as lease:
-            assert not lease.pinned and not lease.tensor().is_pinned()
+            assert not lease.pinned and not lease.copy_out().is_pinned()
+            with pytest.raises(RuntimeError, match="not mapped"):
+                lease.tensor()
         plain.close()
     finally:
         registry.close()

@@ -211,7 +211,7 @@ def test_a_server_process_ending_leaves_the_clients_object(owner):
     code = ("import sys; from logitserve.server.regions import RegionRegistry\n"
             "r = RegionRegistry(); r.register_system('r', sys.argv[1], 0, 64)\n"
             "print(bytes(r.resolve(type('R', (), dict(region='r', offset=0, byte_size=4))(), "
-            "__import__('torch').uint8, (4,)).view).decode())\n"
+            "__import__('torch').uint8, (4,)).copy_out().numpy()).decode())\n"
             "r.close()\n")
     out = subprocess.run([sys.executable, "-c", code, key], check=True, capture_output=True, text=True, timeout=120,
                          env={**os.environ})
@@ -222,19 +222,23 @@ def test_a_server_process_ending_leaves_the_clients_object(owner):
 # ------------------------------------------------------------------------------------ resolve
 
 
-def test_resolve_reads_and_writes_the_object_in_place(owner):
+def test_resolve_reads_and_writes_the_object_through_its_descriptor(owner):
     key = owner.create(4096)
     registry = RegionRegistry()
     registry.register_system("logits", key, 0, 4096)
     with registry.resolve(ref("logits", 16, 24), torch.float32, (2, 3), field="logits") as lease:
-        assert isinstance(lease.view, memoryview) and len(lease.view) == 24 and not lease.view.readonly
+        assert len(lease.view) == 24
         owner.write(key, 16, f32(1, 2, 3, 4, 5, 6))  # after registration and resolution: no copy was made
-        assert torch.equal(lease.tensor(), torch.tensor([[1., 2, 3], [4, 5, 6]]))
+        assert torch.equal(lease.copy_out(), torch.tensor([[1., 2, 3], [4, 5, 6]]))
         owner.write(key, 20, f32(-7))
-        assert lease.tensor()[0, 1].item() == -7.0
-        lease.tensor()[1].fill_(0.5)  # the server writing an output: the client reads it
-        assert owner.read(key, 28, 12) == f32(0.5, 0.5, 0.5)
+        assert lease.copy_out()[0, 1].item() == -7.0
+        lease.write_from(torch.full((2, 3), 0.5))  # the server writing an output: the client reads it
+        assert owner.read(key, 16, 24) == f32(0.5, 0.5, 0.5, 0.5, 0.5, 0.5)
+        with pytest.raises(RuntimeError, match="not mapped"):  # no CPU code touches it through a mapping
+            lease.tensor()
     assert lease.released and lease.view is None
+    with pytest.raises(RuntimeError, match="lease already released"):
+        lease.copy_out()
     lease.release()  # idempotent
     assert registry.status("logits")[0].in_use == 0
 
@@ -247,7 +251,7 @@ def test_resolve_keeps_the_dtype(owner, dtype):
     registry = RegionRegistry()
     registry.register_system("r", key, 0, 64)
     with registry.resolve(ref("r", 8, values.nbytes), dtype, (2, 2)) as lease:
-        assert torch.equal(lease.tensor(), values.view(2, 2))
+        assert torch.equal(lease.copy_out(), values.view(2, 2))
 
 
 def test_resolve_checks_every_rule_and_names_the_field(owner):
@@ -274,7 +278,7 @@ def test_resolve_checks_every_rule_and_names_the_field(owner):
     with registry.resolve(ref("r", 0, 100), torch.float32, (4,), field="out", exact=False) as lease:
         assert len(lease.view) == 16  # Triton's rule for outputs: a larger slice, the tensor's bytes used
     with registry.resolve(ref("r", 8, 0), torch.float32, (0, 5)) as lease:  # empty tensors are fine
-        assert lease.tensor().shape == (0, 5)
+        assert lease.copy_out().shape == (0, 5)
     assert registry.status("r")[0].in_use == 0  # refused resolutions hold nothing
 
 
@@ -351,7 +355,7 @@ def test_unregister_while_leased_keeps_the_mapping_until_the_last_lease(owner):
     with pytest.raises(RegionNotFound):  # gone for new calls at once
         registry.resolve(ref("r", 0, 8), torch.float32, (2,))
     owner.write(key, 0, f32(3, 4))
-    assert first.tensor().tolist() == [3.0, 4.0]  # still mapped for the calls holding it
+    assert first.copy_out().tolist() == [3.0, 4.0]  # still open for the calls holding it
     registry.register_system("r", key, 0, 64)  # the name is free again: a new mapping
     assert registry.mapped_count == 2
     first.release()

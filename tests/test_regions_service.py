@@ -74,9 +74,10 @@ def shm_server(tmp_path_factory):
 
 def test_service_end_to_end_with_the_client(shm_server):
     registry = shm_server.registry
+    # region_scope=None: the server's names are the names written (the test reads the registry).
     with client_regions.shared_array((4, 8), "float32") as buf, \
-            Client(shm_server.target, token="alice", timeout=30) as alice, \
-            Client(shm_server.target, token="bob", timeout=30) as bob:
+            Client(shm_server.target, token="alice", timeout=30, region_scope=None) as alice, \
+            Client(shm_server.target, token="bob", timeout=30, region_scope=None) as bob:
         assert alice.register_system("logits", buf) is None  # key and byte_size from the buffer
         alice.register_system("tail", buf.key, 32, offset=96)
         status = alice.shared_memory_status()
@@ -87,7 +88,7 @@ def test_service_end_to_end_with_the_client(shm_server):
 
         buf.array[:] = np.arange(32, dtype=np.float32).reshape(4, 8)
         with registry.resolve(buf.ref("logits"), torch.float32, (4, 8), owner_of("Bearer alice"), "logits") as lease:
-            assert np.array_equal(lease.tensor().numpy(), buf.array)
+            assert np.array_equal(lease.copy_out().numpy(), buf.array)
             assert registry.status("logits", owner_of("Bearer alice"))[0].in_use == 1
             assert alice.shared_memory_status("logits")[0].in_use == 1
 
@@ -125,11 +126,11 @@ def test_service_end_to_end_with_the_client(shm_server):
 def test_service_through_the_async_client(shm_server):
     async def main():
         with client_regions.shared_tensor((3, 5), torch.bfloat16) as buf:
-            async with AsyncClient(shm_server.target, token="bob", timeout=30) as bob:
+            async with AsyncClient(shm_server.target, token="bob", timeout=30, region_scope=None) as bob:
                 await bob.register_system("x", buf)
                 buf.tensor.copy_(torch.linspace(-1, 1, 15).view(3, 5))
                 with shm_server.registry.resolve(buf.ref("x"), torch.bfloat16, (3, 5), owner_of("Bearer bob")) as lease:
-                    assert torch.equal(lease.tensor(), buf.tensor)
+                    assert torch.equal(lease.copy_out(), buf.tensor)
                 assert [s.name for s in await bob.shared_memory_status()] == ["x"]
                 assert await bob.unregister("x") == ["x"]
     asyncio.run(main())
@@ -167,7 +168,7 @@ CUDA_CLIENT_SCRIPT = textwrap.dedent("""
     torch.cuda.synchronize()
     handle = cuda_ipc_handle(part)
     # The region must outlive this client (the test reads it through the server afterwards).
-    with Client(sys.argv[1], token="alice", timeout=60, unregister_on_close=False) as client:
+    with Client(sys.argv[1], token="alice", timeout=60, unregister_on_close=False, region_scope=None) as client:
         client.register_cuda("dev", part)
     print(handle.offset, handle.byte_size, flush=True)
     sys.stdin.readline()

@@ -2,11 +2,14 @@
 regions, and how a batch of such calls launches.
 
 An input is read in place (:func:`reads_in_place`) when it is a :class:`~..tensors.DeviceTensor`
-(the client's CUDA memory, on the server's device), or a system-region
-:class:`~..tensors.HostTensor` on the CPU device. An input in a page-locked system region on a
+(the client's CUDA memory, on the server's device). An input in a page-locked system region on a
 CUDA server (server/regions/pinning.py) is copied in (:func:`copies_in`): one DMA copy from the
 region to the device, no staging. Every other input is staged as on the byte path
-(server/staging.py): on CUDA, one host-to-device copy of the batch's host pieces.
+(server/staging.py): on CUDA, one host-to-device copy of the batch's host pieces. A piece in a
+pageable system region (every system region on the CPU) is read from its object straight into the
+staging buffer, through the object's descriptor: its client may shrink it at any moment, and a
+mapping would then fault (server/regions/access.py). On the CPU that read is the one copy such an
+input costs.
 
 A batch takes the in-place path (:func:`launches_in_place`) when one of its calls reads an input
 in place or copies one in, or writes an output into device memory. A lone call whose in-place
@@ -19,7 +22,8 @@ later, with the same shapes, replays the same graph correctly: it reads whatever
 leases hold mapped there. Any other in-place batch launches eagerly on the launch thread. A
 lone call launches on its inputs where they are, and writes its outputs straight into their
 regions where the op takes ``out=`` (softmax, causal softmax, SiLU, SwiGLU) and the region is
-on the device; otherwise with one copy (device to region). A batch of several such calls is
+CUDA memory on the device; otherwise with one copy (device to region; into a pageable system
+region a write through its descriptor, server/regions/access.py). A batch of several such calls is
 gathered (:func:`device_inputs`): the rows of every call go into one input on the device (region
 pieces by device-to-device copies, host pieces staged in one transfer), one launch serves the
 batch, and each call's outputs are copied into its regions (or brought to the host). Launching
@@ -34,7 +38,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from logitserve.kernels.copy import copy_by_kernel
@@ -44,9 +47,9 @@ from ..regions import CUDA, RegionLease, check_outputs
 from ..staging import Staging
 from ..tensors import PB_DTYPES, DeviceTensor, HostTensor
 
-def reads_in_place(t, device: torch.device) -> bool:
-    """Whether the kernels read input ``t`` where it is (no staging copy) on ``device``."""
-    return type(t) is DeviceTensor or (device.type == "cpu" and t.in_region)
+def reads_in_place(t) -> bool:
+    """Whether the kernels read input ``t`` where it is: the client's device memory."""
+    return type(t) is DeviceTensor
 
 
 def copies_in(t, device: torch.device) -> bool:
@@ -56,13 +59,18 @@ def copies_in(t, device: torch.device) -> bool:
 
 def unstaged(t, device: torch.device) -> bool:
     """Whether input ``t`` skips staging on ``device``: read in place, or copied in."""
-    return reads_in_place(t, device) or copies_in(t, device)
+    return reads_in_place(t) or copies_in(t, device)
 
 
 def on_device(t, device: torch.device) -> torch.Tensor:
     """Input ``t``, read in place or copied in, as a tensor the kernels read (launch thread, or
     inside a graph's capture, which records the copy)."""
-    return t.torch().to(device, non_blocking=True) if copies_in(t, device) else t.torch()
+    return _pinned(t).to(device, non_blocking=True) if copies_in(t, device) else t.torch()
+
+
+def _pinned(t: HostTensor) -> torch.Tensor:
+    """A page-locked input's host tensor: for the device's copy alone, never read by the CPU."""
+    return t.data.pinned_tensor(t.dtype, t.shape)
 
 
 def launches_in_place(calls: list, device: torch.device) -> bool:
@@ -95,7 +103,7 @@ def graph_key(call, handle):
             copied_in += t.numel() * t.element_size()
             if copied_in > handle.graphs.max_bytes:
                 return None
-            places.append(("host", t.torch().data_ptr(), t.shape, t.dtype))
+            places.append(("host", _pinned(t).data_ptr(), t.shape, t.dtype))
         elif t.in_region:
             return None
     for name in sorted(call.outputs.slots) if call.outputs is not None else ():
@@ -188,9 +196,10 @@ class Outputs:
 
     def direct(self, name: str, device: torch.device) -> torch.Tensor | None:
         """Output ``name``'s region as a tensor a kernel can write (``out=``): when it is named and
-        on ``device``; else None."""
+        CUDA memory on ``device``; else None (a system region is written through its descriptor,
+        never through a mapping: :meth:`put`)."""
         slot = self.slots.get(name)
-        if slot is None:
+        if slot is None or slot.lease.kind != CUDA:
             return None
         target = slot.lease.tensor()
         return target if target.device == device else None
@@ -205,23 +214,24 @@ class Outputs:
         """Write ``value`` (output ``name``, any device) into its region, unless a kernel wrote it
         there already (``out=``). On the launch thread: on CUDA the copy is ordered on its stream.
         From the device into a page-locked region the copy is a kernel writing host memory, which
-        a CUDA graph captures (a copy into pageable memory waits for the stream: it cannot be)."""
+        a CUDA graph captures (a copy into pageable memory waits for the stream: it cannot be).
+        A host value goes into a system region through its descriptor (``ValueError`` naming the
+        region when its object has shrunk)."""
         lease = self.slots[name].lease
-        target = lease.tensor()
-        if target.device == value.device and target.data_ptr() == value.data_ptr():
-            return
-        if lease.pinned and value.device.type == "cuda":
-            copy_by_kernel(value.reshape(target.shape).contiguous(), target)
-            return
-        target.copy_(value.reshape(target.shape))
+        if lease.kind == CUDA:
+            target = lease.tensor()
+            if target.device != value.device or target.data_ptr() != value.data_ptr():
+                target.copy_(value.reshape(target.shape))
+        elif lease.pinned and value.device.type == "cuda":
+            copy_by_kernel(value.reshape(lease.shape).contiguous(), lease.tensor())
+        else:
+            lease.write_from(value)
 
     def write(self, name: str, data) -> None:
         """Write host ``data`` (bytes, or an array of the output's dtype and size) into output
-        ``name``'s region, a system one (no torch call: for the event loop)."""
-        view = self.slots[name].lease.view
-        if isinstance(data, np.ndarray):
-            data = memoryview(np.ascontiguousarray(data)).cast("B")
-        view[:] = data
+        ``name``'s region, a system one, through its descriptor (no torch call: for the event
+        loop); ``ValueError`` naming the region when its object has shrunk."""
+        self.slots[name].lease.write_from(data)
 
     def message(self, name: str) -> pb.Tensor:
         """The answer's Tensor for output ``name``: dtype, shape and region, no data."""

@@ -1,4 +1,8 @@
-"""Step: several operators in one round trip, each a call of its own (they batch independently)."""
+"""Step: several operators in one round trip, each a call of its own (they batch independently).
+
+The parts run in any order, so none may write memory another reads or writes: a part's output
+region sharing bytes with another part's input or output is refused (server/regions/overlap.py).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Mapping
 
 from logitserve.v1 import logitserve_pb2 as pb
 
+from ..regions.overlap import check_parts_apart
 from ..tensors import NOT_IN_PLACE
 from .limits import Limits, field_bytes
 from .route_experts import RouteExpertsCall
@@ -40,11 +45,18 @@ class StepCall:
                 in_place: Mapping[str, memoryview] = NOT_IN_PLACE, regions=None) -> "StepCall":
         """``in_place``: tensor bytes read in place, by dotted name (``sample.logits``);
         ``regions``: the request's :class:`~..regions.CallRegions`, shared by its parts."""
-        calls = {name: op.from_pb(getattr(msg, name), limits, path=f"{name}.", in_place=_within(in_place, name),
-                                  regions=regions)
-                 for name, op in STEP_OPS.items() if msg.HasField(name)}
+        calls, leases = {}, {}
+        for name, op in STEP_OPS.items():
+            if not msg.HasField(name):
+                continue
+            first = 0 if regions is None else regions.leases
+            calls[name] = op.from_pb(getattr(msg, name), limits, path=f"{name}.", in_place=_within(in_place, name),
+                                     regions=regions)
+            if regions is not None:
+                leases[name] = regions.resolved(first)
         if not calls:
             raise ValueError(f"step: sets none of {', '.join(STEP_OPS)}")
+        check_parts_apart(leases)  # the parts run independently: none may write what another touches
         step = cls(msg.id, calls)
         limits.check_answer("step", step.answer_size)
         return step

@@ -1,15 +1,18 @@
-"""Shared-memory regions: memory a client shares with the server, mapped once at registration.
+"""Shared-memory regions: memory a client shares with the server, opened once at registration.
 
 A region is a slice of a POSIX shared-memory object (system memory) or of a CUDA allocation
 opened from its IPC handle (device memory). Tensors of a call name a slice of a region
 (``logitserve.v1.RegionRef``) instead of carrying their bytes; :meth:`RegionRegistry.resolve`
-turns such a reference into a view of exactly that slice, checked, without copying:
+turns such a reference into a lease on exactly that slice, checked:
 
     registry = RegionRegistry(max_regions=256, max_mapped_bytes=16 << 30)
     registry.register_system("logits", key="psm_1234", offset=0, byte_size=8 * 128256 * 4, owner=owner)
     with registry.resolve(ref, torch.float32, (8, 128256), owner, "logits") as lease:
-        lease.view       # memoryview of the slice's bytes (system) or a torch tensor on the device (CUDA)
-        lease.tensor()   # a torch tensor of dtype and shape over the same memory, either kind
+        lease.copy_out()       # system: a new CPU tensor of dtype and shape, read from the object
+        lease.read_into(buf)   # ... or into a buffer of the server's (a staging buffer)
+        lease.write_from(t)    # system: an output's bytes, written into the object
+        lease.tensor()         # CUDA: a torch tensor over the client's memory; a page-locked
+                               # system region: its host tensor, for the device's copies only
 
 The semantics are those of Triton Inference Server's shared-memory extension (its
 ``SystemSharedMemory*`` / ``CudaSharedMemory*`` RPCs map onto :meth:`~RegionRegistry.register_system`,
@@ -31,19 +34,22 @@ and a refusal does not tell whether a key exists. A CUDA region's capability is 
 which only a process holding the allocation can export.
 
 **Leases.** :meth:`~RegionRegistry.resolve` returns a :class:`RegionLease`; a region unregistered
-while leased leaves the table at once (its name is free) and stays mapped until its last lease is
-released. Whoever launches work on a lease's view releases the lease only once that work is
-complete (for CUDA, after the stream synchronization that precedes the answer), and keeps no view
-of it afterwards: the memory may be unmapped then.
+while leased leaves the table at once (its name is free) and stays open until its last lease is
+released. Whoever launches work on a lease releases the lease only once that work is complete
+(for CUDA, after the stream synchronization that precedes the answer), and keeps no view of it
+afterwards: the memory may be unmapped then.
 
 **Safety.** A key is a plain name in the shared-memory namespace (``/dev/shm`` on Linux, where
 ``shm_open`` keeps its objects), opened with ``O_NOFOLLOW | O_NONBLOCK`` and refused unless a
-regular file: nothing outside that namespace is ever opened. The server maps objects itself
-(``os.open`` + ``mmap``), never through ``multiprocessing.shared_memory``, whose resource tracker
-would unlink a client's object when the server's process ends. A client that shrinks an object
-after registering it would make reads past its new end fault (SIGBUS); :meth:`resolve` checks the
-object's size on every call so a shrunk object is refused instead, short of a shrink racing a
-launch.
+regular file: nothing outside that namespace is ever opened. The server opens objects itself
+(``os.open``), never through ``multiprocessing.shared_memory``, whose resource tracker
+would unlink a client's object when the server's process ends. A client may shrink its object
+at any moment, and bytes of a mapping past the new end fault (SIGBUS) when touched, whatever was
+checked before: so no CPU code touches a system region through a mapping. Its bytes are read with
+``os.preadv`` into the server's own memory and written with ``os.pwritev`` (access.py), which
+cannot fault: a shrunk object fails the call (``ValueError`` naming the region), the server goes
+on. Only a page-locked region (a CUDA server, pinning.py) is mapped, for the device's DMA copies,
+on pages truncation cannot take away.
 
 **Threads.** Every method may be called from the event loop and from a launch thread; a lock
 guards the table, leases and counters. Opening a CUDA handle happens outside the lock.
@@ -53,9 +59,10 @@ Errors: :class:`RegionNotFound` (NOT_FOUND), :class:`RegionExists` (ALREADY_EXIS
 (RESOURCE_EXHAUSTED).
 
 Modules, one concept each: names (names, keys, owners, the request messages' region fields),
-region (a mapped region, its status, a lease), system (mapping a POSIX shared-memory object),
-cuda (opening a CUDA IPC handle), registry (the table, limits, resolving), calls (the leases
-of one RPC on the request path).
+region (a registered region, its status, a lease), system (opening a POSIX shared-memory
+object), access (reading and writing one through its descriptor), pinning (page-locking it on a
+CUDA server), cuda (opening a CUDA IPC handle), registry (the table, limits, resolving), calls
+(the leases of one RPC on the request path), overlap (whether a Step's parts share memory).
 """
 
 from .calls import CallRegions

@@ -51,6 +51,11 @@ class CallRegions:
         """Leases held now."""
         return len(self._leases)
 
+    def resolved(self, first: int = 0) -> tuple[RegionLease, ...]:
+        """The leases resolved so far, from the ``first``-th (a Step's parts: server/ops/step.py)."""
+        with self._lock:
+            return tuple(self._leases[first:])
+
     def resolve(self, ref, dtype, shape, field: str, *, writable: bool = False) -> RegionLease:
         """A lease on ``ref`` (see ``RegionRegistry.resolve``; byte_size exactly the tensor's),
         kept until the call's last holder lets go."""

@@ -84,5 +84,8 @@ def open_cuda(name, owner, raw_handle, device_id, offset, byte_size) -> Region:
             raise
     region = Region(name, owner, CUDA, "", offset, byte_size, device_id, offset + byte_size, True)
     region.base_ptr, region.device_bytes, region.closer = base, device_bytes, close
+    # Device addresses are unique in the process: two names over one allocation (the same handle
+    # opens at the same address) overlap where their address ranges do.
+    region.memory = (CUDA, device_id)
     return region
 

@@ -1,4 +1,4 @@
-"""A mapped region, what status reports of it, and the lease a call holds on a slice of it."""
+"""A registered region, what status reports of it, and the lease a call holds on a slice of it."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import mmap
 import os
 from dataclasses import dataclass
 
+from .access import SystemSlice
 from .names import CUDA, SYSTEM
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class RegionInfo:
 
 
 class Region:
-    """One mapped region; its memory is released by :meth:`close`, once."""
+    """One registered region; its descriptor or mapping is released by :meth:`close`, once."""
 
     def __init__(self, name: str, owner, kind: str, key: str, offset: int, byte_size: int, device_id: int,
                  mapped_bytes: int, writable: bool):
@@ -33,10 +34,13 @@ class Region:
         self.writable = writable
         self.leases = 0
         self.registered = True
-        # system
+        # The memory, for telling whether two regions share bytes (server/regions/overlap.py):
+        # ("system", st_dev, st_ino) of the object, or ("cuda", device) of the allocation.
+        self.memory: tuple = ()
+        # system: read and written through fd (server/regions/access.py); mapped only where page-locked
         self.fd: int | None = None
-        self.mmap: mmap.mmap | None = None
-        self.buf: memoryview | None = None  # the region's bytes, [offset, offset + byte_size) of the object
+        self.mmap: mmap.mmap | None = None  # page-locked regions only
+        self.buf: memoryview | None = None  # ... their bytes, [offset, offset + byte_size) of the object
         self.object_end = offset + byte_size  # the object must stay at least this long
         self.unpin = None  # set where the mapping is page-locked (server/regions/pinning.py)
         # CUDA
@@ -73,20 +77,22 @@ class Region:
 
 
 class RegionLease:
-    """A checked view of one slice of a region, holding the region mapped until :meth:`release`
-    (or the end of a ``with`` block).
+    """A checked slice of one region, holding the region until :meth:`release` (or the end of a
+    ``with`` block).
 
-    ``view`` is a ``memoryview`` of the slice's bytes (system; format ``B``, writable when the
-    object was opened read-write) or a torch tensor of ``dtype`` and ``shape`` on the region's
-    device (CUDA). :meth:`tensor` gives a torch tensor of either kind.
+    ``view`` is, for a CUDA region, a torch tensor of ``dtype`` and ``shape`` on the region's
+    device; for a system region, a :class:`~.access.SystemSlice`, read and written through the
+    object's descriptor (:meth:`read_into`, :meth:`copy_out`, :meth:`write_from`), never through
+    a mapping the CPU could fault on. ``field`` names the tensor in errors, ``writable`` says it is
+    an output, ``span`` is the memory it covers (server/regions/overlap.py).
     """
 
-    __slots__ = ("view", "kind", "dtype", "shape", "region", "_registry", "_region")
+    __slots__ = ("view", "kind", "dtype", "shape", "region", "field", "writable", "span", "_registry", "_region")
 
-    def __init__(self, registry, region: Region, view, dtype, shape):
+    def __init__(self, registry, region: Region, view, dtype, shape, field: str, writable: bool, span: tuple):
         self._registry, self._region = registry, region
         self.view, self.kind, self.dtype, self.shape = view, region.kind, dtype, shape
-        self.region = region.name
+        self.region, self.field, self.writable, self.span = region.name, field, writable, span
 
     @property
     def released(self) -> bool:
@@ -97,31 +103,48 @@ class RegionLease:
         """Whether the slice is page-locked system memory (the device copies it by DMA)."""
         return self._region is not None and self._region.unpin is not None
 
-    def tensor(self):
-        """The slice as a torch tensor of ``dtype`` and ``shape``, sharing its memory (CPU for
-        system memory, the region's device for CUDA). Valid until the lease is released."""
-        import torch
-
+    def _system(self) -> SystemSlice:
         if self._region is None:
-            raise RuntimeError(f"region {self.region!r}: lease already released")
+            raise RuntimeError(f"{self.field}.region: lease already released")
+        if self.kind != SYSTEM:
+            raise TypeError(f"{self.field}.region: a CUDA region is read and written on its device (tensor())")
+        return self.view
+
+    def read_into(self, buffer) -> None:
+        """System: fill ``buffer`` (writable, exactly the slice's bytes) from the object;
+        ``ValueError`` naming the region when the object has shrunk under the slice."""
+        self._system().read_into(buffer)
+
+    def copy_out(self):
+        """System: a new CPU tensor of ``dtype`` and ``shape`` holding the slice's bytes."""
+        return self._system().copy_out(self.dtype, self.shape)
+
+    def write_from(self, data) -> None:
+        """System: write ``data`` (the slice's bytes: bytes-like, numpy or a CPU torch tensor)
+        into the object; ``ValueError`` naming the region when the object has shrunk."""
+        self._system().write_from(data)
+
+    def tensor(self):
+        """The slice as a torch tensor of ``dtype`` and ``shape`` sharing its memory, where the
+        device reaches it: a CUDA region's, or a page-locked system region's host tensor (for
+        the device's copies only: no CPU code may read or write it). A pageable system region
+        has none (``RuntimeError``): use :meth:`copy_out` and :meth:`write_from`. Valid until
+        the lease is released."""
+        if self._region is None:
+            raise RuntimeError(f"{self.field}.region: lease already released")
         if self.kind == CUDA:
             return self.view
-        if len(self.view) == 0:
-            return torch.empty(self.shape, dtype=self.dtype)
-        return torch.frombuffer(self.view, dtype=self.dtype).view(self.shape)
+        return self.view.pinned_tensor(self.dtype, self.shape)
 
     def release(self) -> None:
-        """End the lease (idempotent). The region is unmapped now if it was unregistered and this
+        """End the lease (idempotent). The region is closed now if it was unregistered and this
         was its last lease."""
         region, self._region = self._region, None
         if region is None:
             return
         view, self.view = self.view, None
-        if isinstance(view, memoryview):
-            try:
-                view.release()
-            except BufferError:  # a tensor made by tensor() is still alive: it keeps the bytes
-                pass
+        if isinstance(view, SystemSlice):
+            view.close()
         self._registry._release(region)
 
     def __enter__(self) -> "RegionLease":
@@ -133,4 +156,3 @@ class RegionLease:
     def __repr__(self) -> str:
         state = "released" if self._region is None else "held"
         return f"RegionLease({self.region!r}, {self.kind}, {self.dtype}, {list(self.shape)}, {state})"
-

@@ -14,16 +14,18 @@ from .cuda import open_cuda
 from .names import (CUDA_IPC_HANDLE_BYTES, DEFAULT_MAX_MAPPED_BYTES, DEFAULT_MAX_REGIONS, KEY_SCOPE_ANY, KEY_SCOPES,
                     SHM_DIR, SYSTEM, RegionExists, RegionNotFound, kinds_of, shown, check_key, check_key_scope,
                     check_name)
+from .access import SystemSlice, shrunk_error
 from .region import Region, RegionInfo, RegionLease
-from .system import map_system
+from .system import open_system
 
 
 class RegionRegistry:
     """The regions of every owner; see the module's docstring.
 
     ``max_regions`` bounds the regions mapped (registered or unregistered while leased) and
-    ``max_mapped_bytes`` their bytes (system: the length mapped; CUDA: offset + byte_size);
-    registering past either raises :class:`~.errors.TooLarge`. ``devices``, when given, are the
+    ``max_mapped_bytes`` their bytes (system: from offset's page to the end, mapped only where
+    page-locked; CUDA: offset + byte_size); registering past either raises
+    :class:`~.errors.TooLarge`. ``devices``, when given, are the
     CUDA device indices a CUDA region may be on (the server's device); ``shm_dir`` is where the
     system's POSIX shared-memory objects are; ``pin_system`` page-locks each system region at
     registration (a CUDA server: server/regions/pinning.py); ``key_scope`` is which objects an
@@ -97,8 +99,9 @@ class RegionRegistry:
             raise ValueError(f"byte_size: must be an integer > 0, got {byte_size!r}")
 
     def register_system(self, name: str, key: str, offset: int, byte_size: int, owner=None) -> RegionInfo:
-        """Map ``[offset, offset + byte_size)`` of the POSIX shared-memory object ``key`` (its
-        ``shm_open`` name, with or without the leading '/') as region ``name`` of ``owner``.
+        """Make ``[offset, offset + byte_size)`` of the POSIX shared-memory object ``key`` (its
+        ``shm_open`` name, with or without the leading '/') region ``name`` of ``owner`` (opened,
+        and mapped only where ``pin_system`` page-locks it).
 
         Opened read-write, or read-only when the object allows no more (such a region is refused
         as an output). Raises ``ValueError`` (bad name, key, range; a key outside the owner's
@@ -114,8 +117,8 @@ class RegionRegistry:
         with self._lock:
             self._reserve(owner, name, length)
             try:
-                region = map_system(self.shm_dir, name, owner, plain, offset, byte_size, page_start, length,
-                                    self.pin_system)
+                region = open_system(self.shm_dir, name, owner, plain, offset, byte_size, page_start, length,
+                                     self.pin_system)
             except BaseException:
                 self._unreserve(owner, name, length)
                 raise
@@ -213,7 +216,7 @@ class RegionRegistry:
         of torch ``dtype`` and ``shape``; ``field`` names the tensor in messages (``logits``,
         ``output_regions[token_ids]``). ``writable``: the slice will be written (an output).
         ``exact``: byte_size must be the tensor's size; False: at least it (Triton's rule for
-        outputs), the view covering the tensor's bytes from offset.
+        outputs), the lease covering the tensor's bytes from offset.
 
         Raises :class:`RegionNotFound` (no such region of ``owner``) or ``ValueError`` naming
         ``field`` and the rule (range past the region's end, misaligned for ``dtype``, byte_size
@@ -241,18 +244,20 @@ class RegionRegistry:
             if writable and not region.writable:
                 raise ValueError(f"{field}.region: region {name!r} is read-only to the server (its object "
                                  f"{region.key!r} could not be opened for writing)")
+            start = region.offset + offset
             if region.kind == SYSTEM:
+                # Checked again by every read and write (access.py): the object may shrink later.
                 size = os.fstat(region.fd).st_size
                 if size < region.object_end:
-                    raise ValueError(f"{field}.region: the shared-memory object {region.key!r} of region {name!r} "
-                                     f"shrank to {size} bytes since it was registered "
-                                     f"({region.object_end} needed); unregister it")
-                view = region.buf[offset:offset + need]
+                    raise shrunk_error(field, region, size)
+                mapped = None if region.buf is None else region.buf[offset:offset + need]
+                view = SystemSlice(region, offset, need, field, mapped)
+                span = (region.memory, start, start + need)
             else:
-                start = region.offset + offset
                 view = region.device_bytes[start:start + need].view(dtype).view(tuple(shape))
+                span = (region.memory, region.base_ptr + start, region.base_ptr + start + need)
             region.leases += 1
-        return RegionLease(self, region, view, dtype, tuple(shape))
+        return RegionLease(self, region, view, dtype, tuple(shape), field, writable, span)
 
     def _release(self, region: Region) -> None:
         with self._lock:

@@ -1,7 +1,13 @@
-"""System shared memory: a POSIX shared-memory object mapped by the server itself (``os.open`` +
-``mmap``), never through ``multiprocessing.shared_memory``, whose resource tracker would unlink a
-client's object when the server's process ends. Opened with ``O_NOFOLLOW | O_NONBLOCK`` and
-refused unless a regular file: nothing outside the shared-memory namespace is ever opened."""
+"""System shared memory: a POSIX shared-memory object opened by the server itself (``os.open``),
+never through ``multiprocessing.shared_memory``, whose resource tracker would unlink a client's
+object when the server's process ends. Opened with ``O_NOFOLLOW | O_NONBLOCK`` and refused unless
+a regular file: nothing outside the shared-memory namespace is ever opened.
+
+The region is read and written through the descriptor (server/regions/access.py): a client may
+shrink its object at any moment, and a mapping would then fault. It is mapped only to be
+page-locked (``pinned``, a CUDA server), for the device's DMA copies, which truncation cannot
+fault; where CUDA refuses to page-lock it, the mapping goes at once.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +20,10 @@ from .pinning import pin
 from .region import Region
 
 
-def map_system(shm_dir: str, name, owner, plain, offset, byte_size, page_start, length, pinned: bool) -> Region:
-    """Map ``[page_start, page_start + length)`` of the object ``plain`` in ``shm_dir`` as region ``name``
-    (its bytes from ``offset``, ``byte_size`` long), page-locked with ``pinned`` (server/regions/pinning.py);
-    ``ValueError`` naming the key when it cannot be."""
+def open_system(shm_dir: str, name, owner, plain, offset, byte_size, page_start, length, pinned: bool) -> Region:
+    """Open the object ``plain`` in ``shm_dir`` as region ``name`` (its bytes from ``offset``,
+    ``byte_size`` long); with ``pinned``, map ``[page_start, page_start + length)`` of it and
+    page-lock that (server/regions/pinning.py). ``ValueError`` naming the key when it cannot be."""
     path = os.path.join(shm_dir, plain)
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     writable = True
@@ -40,14 +46,27 @@ def map_system(shm_dir: str, name, owner, plain, offset, byte_size, page_start, 
         if offset + byte_size > st.st_size:
             raise ValueError(f"offset + byte_size: {offset} + {byte_size} = {offset + byte_size} bytes, past the "
                              f"end of shared-memory object {plain!r} ({st.st_size} bytes)")
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, prot, offset=page_start)
+        region = Region(name, owner, SYSTEM, plain, offset, byte_size, 0, length, writable)
+        region.fd, region.memory = fd, (SYSTEM, st.st_dev, st.st_ino)
+        if pinned:
+            _map_pinned(region, page_start, length)
     except BaseException:
         os.close(fd)
         raise
-    region = Region(name, owner, SYSTEM, plain, offset, byte_size, 0, length, writable)
-    region.fd, region.mmap = fd, mapping
-    if pinned:
-        region.unpin = pin(mapping, writable, repr(name))
-    region.buf = memoryview(mapping)[offset - page_start:]
     return region
+
+
+def _map_pinned(region: Region, page_start: int, length: int) -> None:
+    """Map the region's pages and page-lock them; where CUDA refuses, unmap them again."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if region.writable else 0)
+    mapping = mmap.mmap(region.fd, length, mmap.MAP_SHARED, prot, offset=page_start)
+    try:
+        unpin = pin(mapping, region.writable, repr(region.name))
+    except BaseException:
+        mapping.close()
+        raise
+    if unpin is None:
+        mapping.close()
+        return
+    region.mmap, region.unpin = mapping, unpin
+    region.buf = memoryview(mapping)[region.offset - page_start:]
