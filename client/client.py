@@ -24,7 +24,7 @@ import grpc
 
 from logitserve.v1 import logitserve_pb2 as pb
 
-from . import messages, results, wire
+from . import messages, results, sequences, wire
 from .errors import LogitServeError
 from .results import SampleResult, ServerInfo, StepResult, VerifyDraftResult
 from .region_methods import RegionMethods
@@ -36,7 +36,7 @@ from .transport import CLIENT_TIMEOUT, METHOD_PATHS, open_channel, parse_as, ret
 CLOSE_TIMEOUT_S = 5.0
 
 
-class _Methods(RegionMethods):
+class _Methods(RegionMethods, sequences.SequenceMethods):
     """The RPC methods, written once for both clients.
 
     Requests go to gRPC as bytes the client serialized itself (:meth:`_send`: each tensor's bytes

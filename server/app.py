@@ -33,6 +33,7 @@ from .logs import get_logger, log_event
 from .metrics import Metrics
 from .occupancy import Occupancy
 from .regions import RegionRegistry
+from .sequences import SequenceTable
 from .servicer import LogitServeServicer, request_parsers
 from .tensors import TORCH_DTYPES
 from .version import __version__
@@ -86,6 +87,8 @@ class Service:
         self.regions = RegionRegistry(config.max_regions, config.max_region_bytes,
                                       devices=(device.index,) if device.type == "cuda" else (),
                                       pin_system=device.type == "cuda", key_scope=config.resolved_shm_key_scope)
+        # Sampling state of every caller's open sequences (server/sequences.py), on the device.
+        self.sequences = SequenceTable(config.max_sequences, config.sequence_idle_s, device)
         self.metrics = Metrics()
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         try:
@@ -246,9 +249,11 @@ class Service:
             version=self.version, device=str(self.handle.device), device_name=self.handle.name,
             backend=self.handle.backend, warmed_dtypes=list(self.handle.warmed_dtypes),
             limits=dict(max_message_bytes=c.max_message_bytes, max_rows=c.max_rows, max_vocab=c.max_vocab,
-                        max_batch_rows=c.max_batch_rows, max_delay_us=c.max_delay_us, max_queue=c.max_queue),
+                        max_batch_rows=c.max_batch_rows, max_delay_us=c.max_delay_us, max_queue=c.max_queue,
+                        max_sequences=c.max_sequences, sequence_idle_s=c.sequence_idle_s),
             stats=dict(launches=self.batcher.launches, batched_requests=self.batcher.batched_requests,
-                       queue_depth=self.batcher.queue_depth, plan_cache_size=self.handle.plan_cache_size))
+                       queue_depth=self.batcher.queue_depth, plan_cache_size=self.handle.plan_cache_size,
+                       **self.sequences.stats()))
 
 
 def create_server(config: ServerConfig) -> tuple[Service, int]:

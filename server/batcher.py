@@ -72,15 +72,28 @@ class Batcher:
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._run(), name="logitserve-batcher")
 
-    async def submit(self, call, *, timeout: float | None = None):
-        """Queue ``call`` and wait for its result; ``timeout`` is the call's remaining deadline."""
+    def _admit(self) -> None:
+        """Raise unless the batcher takes another call: it is closing, or its queue is full."""
         if self._closed:
             raise Draining("server is shutting down")
         if self._queued >= self.max_queue:
             raise QueueFull(f"queue full: {self._queued} requests waiting (--max-queue {self.max_queue})")
+
+    async def submit(self, call, *, timeout: float | None = None):
+        """Queue ``call`` and wait for its result; ``timeout`` is the call's remaining deadline.
+
+        A call whose checks read its tensors element by element (``call.checked``: Sample's
+        processor fields, server/ops/processor_checks.py) is checked on a worker thread first:
+        queued only once valid, it holds up neither the loop nor the launches of others."""
+        self._admit()
         loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        checked = getattr(call, "checked", None)
+        if checked is not None:
+            await checked()
+            self._admit()  # again: the checks took a while
         now = loop.time()
-        pending = _Pending(call, loop.create_future(), None if timeout is None else now + timeout, now)
+        pending = _Pending(call, loop.create_future(), None if timeout is None else arrived + timeout, now)
         key = call.key if call.key is not None else object()  # None: a group of its own
         group = self._groups.get(key)
         if group is None:

@@ -110,6 +110,9 @@ FLAGS = (
     ("--max-streams-per-connection", int, _D.max_streams_per_connection,
      "calls (HTTP/2 streams) open at once on one connection"),
     ("--max-connections", int, _D.max_connections, "client connections open at once; newer ones are closed"),
+    ("--max-sequences", int, _D.max_sequences, "sequences (OpenSequences) open at once, all clients together "
+     "(0: none)"),
+    ("--sequence-idle-s", float, _D.sequence_idle_s, "a sequence no call names for this long is closed (seconds)"),
     ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
     ("--log-level", str.lower, _D.log_level, f"one of {', '.join(LOG_LEVELS)} (any case)"),
 )

@@ -92,6 +92,11 @@ class ServerConfig:
     # closed at once).
     max_streams_per_connection: int = 100
     max_connections: int = 512
+    # Sequences (OpenSequences; server/sequences.py): most open at once, all callers together
+    # (0 turns them off), and how long one no call names stays open. Each holds its lists on the
+    # device, 8 bytes a token id (prompt, output, bias, banned, stop).
+    max_sequences: int = 4096
+    sequence_idle_s: float = 600.0
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0
     log_level: str = "info"
@@ -116,6 +121,10 @@ class ServerConfig:
             raise ValueError(f"max_region_bytes: must be >= 0, got {self.max_region_bytes}")
         if self.shm_key_scope not in SHM_KEY_SCOPES:
             raise ValueError(f"shm_key_scope: must be one of {', '.join(SHM_KEY_SCOPES)}, got {self.shm_key_scope!r}")
+        if self.max_sequences < 0:
+            raise ValueError(f"max_sequences: must be >= 0 (0: no sequences), got {self.max_sequences}")
+        if not (math.isfinite(self.sequence_idle_s) and self.sequence_idle_s > 0):
+            raise ValueError(f"sequence_idle_s: must be a finite number > 0, got {self.sequence_idle_s}")
         if self.busy_poll_us < 0:
             raise ValueError(f"busy_poll_us: must be >= 0 (0: off), got {self.busy_poll_us}")
         if not (math.isfinite(self.grace_period_s) and self.grace_period_s >= 0):

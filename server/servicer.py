@@ -23,14 +23,17 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 from . import ops
 from .errors import Draining
 from .guard import note_rows
+from .ops.sample_processors import TENSOR_FIELDS as PROCESSOR_TENSOR_FIELDS
 from .regions import CallRegions
 from .regions_servicer import caller
+from .sequences_open import close_sequences, open_sequences
+from .sequences_sample import SequenceLookup
 from .wire import InPlaceReader, Received
 
 SERVICE = pb.DESCRIPTOR.services_by_name["LogitServe"]
 # Each operator request's tensor fields, read in place.
 _TENSORS = {
-    pb.SampleRequest: ("logits",),
+    pb.SampleRequest: ("logits", *PROCESSOR_TENSOR_FIELDS),
     pb.RouteExpertsRequest: ("gate_logits",),
     pb.SoftmaxRequest: ("x",),
     pb.CausalSoftmaxRequest: ("x",),
@@ -97,12 +100,12 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         registry = self._service.regions
         return None if registry is None else CallRegions(registry, lambda: caller(context))
 
-    async def _run(self, op, request: Received, context):
+    async def _run(self, op, request: Received, context, **options):
         regions = self._regions(context)
         try:
             try:
                 call = op.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes,
-                                  regions=regions)
+                                  regions=regions, **options)
             except Exception:
                 note_rows(_claimed_rows(request.message))
                 raise
@@ -115,7 +118,8 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                 regions.finish()
 
     async def Sample(self, request: Received, context):
-        return await self._run(ops.SampleCall, request, context)
+        return await self._run(ops.SampleCall, request, context,
+                               sequences=SequenceLookup(self._service.sequences, context))
 
     async def RouteExperts(self, request: Received, context):
         return await self._run(ops.RouteExpertsCall, request, context)
@@ -170,6 +174,12 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             finally:
                 for release in held:
                     release()
+
+    async def OpenSequences(self, request, context):
+        return await open_sequences(self._service.sequences, request, caller(context), self._service.config.max_vocab)
+
+    async def CloseSequences(self, request, context):
+        return close_sequences(self._service.sequences, request, caller(context))
 
     async def GetServerInfo(self, request, context):
         return self._service.info().to_pb()

@@ -7,7 +7,9 @@ import torch
 
 
 def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int):
-    """``(token_logprob, token_rank, top_token_ids, top_logprobs)`` in float64 / int64."""
+    """``(token_logprob, token_rank, top_token_ids, top_logprobs)`` in float64 / int64; the top
+    ``[B, n]`` even where ``n`` passes the vocabulary, the places past it id -1 and -inf (as the
+    kernels answer)."""
     x = logits.detach().to(torch.float64)
     x = torch.where(torch.isnan(x), float("-inf"), x)
     lp = torch.log_softmax(x, dim=1)
@@ -16,5 +18,7 @@ def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int):
     chosen = lp.gather(1, tok.clamp(0, x.shape[1] - 1)[:, None])[:, 0]
     rank = (lp > chosen[:, None]).sum(1) + 1
     sorted_lp, order = torch.sort(lp, dim=1, descending=True, stable=True)
-    return (torch.where(ok, chosen, float("nan")), torch.where(ok, rank, 0), order[:, :n],
-            sorted_lp[:, :n])
+    past = max(0, n - x.shape[1])
+    top_ids = torch.nn.functional.pad(order[:, :n], (0, past), value=-1)
+    top_lp = torch.nn.functional.pad(sorted_lp[:, :n], (0, past), value=float("-inf"))
+    return torch.where(ok, chosen, float("nan")), torch.where(ok, rank, 0), top_ids, top_lp

@@ -108,8 +108,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
 def kept_set(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
              min_p: torch.Tensor, *, filter_order: str = "top_k_first") -> torch.Tensor:
-    """The tokens the filters keep, bool ``[B, V]``, as :func:`sample` computes them (greedy rows:
-    the arg-max alone; rows with a NaN or no finite logit: none)."""
+    """The tokens :func:`sample` can draw, bool ``[B, V]``: the support of the distribution it
+    draws from (greedy rows: the arg-max alone; rows with a NaN or no finite logit: none). A token
+    the filters keep is in it only where its weight is not zero: a -inf logit (banned, masked by
+    a grammar, or given so) is never drawn, even where top-k is off or reaches past the finite
+    logits, nor is a finite one beside +inf logits."""
     n_rows, n_cols = logits.shape
     ct = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(ct)
@@ -120,10 +123,12 @@ def kept_set(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
     greedy = (temperature == 0) | (top_k == 1)
     m = x.max(1, keepdim=True).values
     scale = (1.4426950408889634 / torch.where(greedy | bad, 1.0, temperature)).to(ct)[:, None]
-    w = torch.exp2(torch.where(x == m, 0.0, (x - m) * scale))
+    d = torch.where(x == m, 0.0, (x - m) * scale)  # log2 of the weight, as sample() races on it
+    w = torch.exp2(d)
     sorted_x, order = torch.sort(x, dim=1, descending=True, stable=True)
     k = torch.where((top_k <= 0) | (top_k >= n_cols), n_cols, top_k).clamp(min=1)[:, None]
     kept = _kept(x, w, sorted_x, order, k, top_p.to(ct)[:, None], min_p.to(ct)[:, None], filter_order)
+    kept &= d > float("-inf")
     first_max = torch.zeros_like(kept).scatter_(1, x.argmax(1, keepdim=True), True)
     kept = torch.where(greedy[:, None], first_max, kept)
     return kept & ~bad[:, None]

@@ -127,16 +127,19 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
         Bit ``t % 32`` of word ``t // 32`` set: token ``t`` allowed (xgrammar's layout). A row
         allowing no finite logit answers -1.
     logprobs : None or int in [0, 20]
-        Also return a :class:`Logprobs` of the chosen tokens and the top-``logprobs`` tokens.
+        Also return a :class:`Logprobs` of the chosen tokens and the top-``logprobs`` tokens
+        (``(batch_size, logprobs)`` on every backend; places past the vocabulary: id -1, -inf).
     logprobs_mode : ``"raw"`` or ``"processed"``
         ``raw``: the log-softmax of ``logits`` as given. ``processed``: of the logits after the
         processors and temperature, over the tokens the filters kept (the others -inf; greedy
         rows: the arg-max alone, log-probability 0). Not with ``random_val``.
     return_kept : bool
         Also return the kept set as ``Logprobs.kept_bitmask``, int32 ``(batch_size,
-        ceil(vocab_size / 32))`` (bit set: the token survived the filters). ``processed`` mode and
-        the kept set come from torch operations (the reference's sort-based filters), on the
-        same processed logits: a float near-tie at a filter's boundary may differ from the kernels'.
+        ceil(vocab_size / 32))``: the support of the distribution drawn from (bit set: the token
+        can be drawn; never a banned, grammar-masked or -inf one, whatever the filters).
+        ``processed`` mode and the kept set come from torch operations (the reference's
+        sort-based filters), on the same processed logits: a float near-tie at a filter's
+        boundary may differ from the kernels'.
 
     With any processor set, the processed logits (float32) are written to a new tensor that the
     sampling launches read (float64 logits are then sampled in float32). With none set, the call

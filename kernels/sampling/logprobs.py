@@ -145,7 +145,7 @@ def _lp_merge(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_c
 class Logprobs:
     """Per row: ``token_logprob`` float32 [B], ``token_rank`` int64 [B] (1 = most probable),
     ``top_token_ids`` int64 [B, n], ``top_logprobs`` float32 [B, n] (descending, ties to the
-    lower id)."""
+    lower id; where n passes the vocabulary, the places past it id -1 and -inf)."""
 
     token_logprob: torch.Tensor | None = None
     token_rank: torch.Tensor | None = None

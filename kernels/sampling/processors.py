@@ -18,12 +18,13 @@ lists' lengths, not the vocabulary (flags set with atomics find each token's fir
 and count the output; each listed token is written once, from its original logit).
 
 Ragged lists: row ``r`` of a list is ``ids[offsets[r]:offsets[r + 1]]``. On the CPU the offsets
-(from 0, not decreasing, ending at ``len(ids)``) and the ids (in ``[0, V)``) are checked on the
-host, with ``ValueError``. On CUDA neither is read back (that would cost a synchronisation per
-list, and forbid capturing the call in a CUDA graph): the kernel clamps a row's span into
-``[0, len(ids)]`` (``lo = clamp(offsets[r], 0, n)``, ``hi = clamp(offsets[r + 1], lo, n)``) and
-skips ids outside ``[0, V)``, so broken offsets give that row a wrong list, never a read out of
-bounds. The server checks every wire input on the host first (``server/ops/sample_processors.py``).
+(from 0, not decreasing, ending at ``len(ids)``) and the ids (in ``[0, V)``) are checked in bulk
+(:func:`ragged_error`: torch reductions, no loop over elements), with ``ValueError``. On CUDA
+neither is read back (that would cost a synchronisation per list, and forbid capturing the call
+in a CUDA graph): the kernel clamps a row's span into ``[0, len(ids)]`` (``lo = clamp(offsets[r],
+0, n)``, ``hi = clamp(offsets[r + 1], lo, n)``) and skips ids outside ``[0, V)``, so broken
+offsets give that row a wrong list, never a read out of bounds. The server checks every wire
+input first, by these rules, where it lies (``server/ops/processor_checks.py``).
 """
 
 from __future__ import annotations
@@ -154,26 +155,54 @@ def _check_ragged(ids_name, off_name, ids, offsets, n_rows, n_cols, device) -> N
     # (module docstring), which keeps the call free of synchronisations.
     if device.type != "cpu":
         return
-    message = ragged_error(ids.tolist(), offsets.tolist(), n_cols)
+    message = ragged_error(ids, offsets, n_cols)
     if message:
         raise ValueError(f"{ids_name if message[0] == 'ids' else off_name}: {message[1]}")
 
 
-def ragged_error(ids: list, offsets: list, n_cols: int) -> tuple[str, str] | None:
-    """The first broken rule of a ragged list, as ``("ids" | "offsets", message)``; None if valid."""
-    n_ids = len(ids)
-    if offsets[0] != 0:
-        return "offsets", f"must start at 0, got {offsets[0]}"
-    for r in range(len(offsets) - 1):
-        if offsets[r + 1] < offsets[r]:
-            return "offsets", f"must not decrease, got {offsets[r + 1]} after {offsets[r]} (row {r})"
-    if offsets[-1] != n_ids:
-        return "offsets", f"must end at the ids' length {n_ids}, got {offsets[-1]}"
-    for r in range(len(offsets) - 1):
-        for i in range(offsets[r], offsets[r + 1]):
-            if not 0 <= ids[i] < n_cols:
-                return "ids", f"must be in [0, {n_cols}) (vocab_size), got {ids[i]} in row {r}"
-    return None
+def ragged_broken(ids: torch.Tensor | None, offsets: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """Whether a ragged list breaks a rule, as a 0-d bool tensor on its device (nothing read
+    back: a caller gathers several and reads them at once). ``ids`` (None: no ids, every row
+    empty) and ``offsets`` are 1-D integer tensors, checked in bulk (a few passes over the ids)."""
+    n_ids = 0 if ids is None else ids.shape[0]
+    broken = [offsets[0] != 0, (offsets[1:] < offsets[:-1]).any(), offsets[-1] != n_ids]
+    if n_ids:
+        low, high = torch.aminmax(ids)  # one pass over the ids
+        broken.append((low < 0) | (high >= n_cols))
+    return torch.stack(broken).any()
+
+
+def ragged_error(ids: torch.Tensor | None, offsets: torch.Tensor, n_cols: int) -> tuple[str, str] | None:
+    """The first broken rule of a ragged list, as ``("ids" | "offsets", message)``; None if valid.
+    The rules in order: offsets start at 0, do not decrease, end at the ids' length; then the
+    first id outside ``[0, n_cols)`` in the ids' order, with its row. Tensors as
+    :func:`ragged_broken`'s; one read back where the list is valid."""
+    if not ragged_broken(ids, offsets, n_cols).item():
+        return None
+    n_ids = 0 if ids is None else ids.shape[0]
+    start, end = offsets[0].item(), offsets[-1].item()
+    if start != 0:
+        return "offsets", f"must start at 0, got {start}"
+    falls = offsets[1:] < offsets[:-1]
+    if falls.any().item():
+        r = first_true(falls)
+        return "offsets", f"must not decrease, got {offsets[r + 1].item()} after {offsets[r].item()} (row {r})"
+    if end != n_ids:
+        return "offsets", f"must end at the ids' length {n_ids}, got {end}"
+    i = first_true((ids < 0) | (ids >= n_cols))
+    return "ids", f"must be in [0, {n_cols}) (vocab_size), got {ids[i].item()} in row {row_of(offsets, i)}"
+
+
+def first_true(mask: torch.Tensor) -> int:
+    """The index of the first True of a 1-D bool tensor that holds one (argmax keeps the first
+    of equal maxima)."""
+    return int(mask.view(torch.uint8).argmax())
+
+
+def row_of(offsets: torch.Tensor, i: int) -> int:
+    """The row of valid ragged ``offsets`` whose span holds element ``i`` (the last row starting
+    at or before it: rows before it may be empty)."""
+    return int(torch.searchsorted(offsets, i, right=True)) - 1
 
 
 def _rows(value, n_rows, dtype, device):
@@ -229,4 +258,5 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
     return y
 
 
-__all__ = ["PROCESSOR_KEYWORDS", "Processors", "process_logits", "ragged_error"]
+__all__ = ["PROCESSOR_KEYWORDS", "Processors", "first_true", "process_logits", "ragged_broken", "ragged_error",
+           "row_of"]

@@ -1,7 +1,9 @@
 """The operators as domain objects: validated calls, batched launches, results.
 
 Each ``*Call`` is made from its request message by ``from_pb`` (all validation happens there,
-raising ``ValueError`` / ``TypeError`` naming the field, or :class:`~..errors.TooLarge`), knows
+raising ``ValueError`` / ``TypeError`` naming the field, or :class:`~..errors.TooLarge`; but
+for the element-wise checks of Sample's processor fields, which ``await call.checked()`` runs
+off the event loop and the batcher awaits before it queues the call), knows
 its batching ``key`` (calls with equal keys may share a launch; ``None`` never shares) and its
 ``rows``, and launches a list of compatible calls at once with ``await run_batch(calls,
 handle)``, which returns one result per call: Sample and RouteExperts through the device's

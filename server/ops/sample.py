@@ -24,6 +24,7 @@ from ..tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, from_t
                        tensor_field)
 from .batching import split, split_rows
 from .limits import Limits, answer_bytes
+from .processor_checks import BulkChecks, in_float32
 from .resident import Outputs, device_inputs, graph_key, launches_in_place, on_device
 from .sample_processors import launch_processed
 from .sample_processors import parse as parse_processors
@@ -66,7 +67,7 @@ def _param(msg, param, rows: int, path: str, regions=None) -> Param | None:
                              dtypes=(torch.float32, torch.float64) if floats else INTS, regions=regions)
         _check_values(name, values, param.ok, f"must be {param.rule}")
         if floats:
-            _check_values(name, values, param.ok, _in_float32(param), _as_float32)
+            _check_values(name, values, param.ok, in_float32(param), _as_float32)
         return values
     if not msg.HasField(param.name):
         return param.default
@@ -74,12 +75,8 @@ def _param(msg, param, rows: int, path: str, regions=None) -> Param | None:
     if not param.ok(value):
         raise ValueError(f"{path}{param.name}: must be {param.rule}, got {value}")
     if floats and not param.ok(_as_float32(value)):
-        raise ValueError(f"{path}{param.name}: {_in_float32(param)}, got {value}")
+        raise ValueError(f"{path}{param.name}: {in_float32(param)}, got {value}")
     return value
-
-
-def _in_float32(param) -> str:
-    return f"must be {param.rule} in float32, the precision the kernels use"
 
 
 def _draw_seeds(rows: int) -> list[int]:
@@ -119,21 +116,35 @@ class SampleCall:
     outputs: Outputs | None = None
     regions: object = None
     answer_size: int = 0  # the answer's message size (limits.answer_bytes)
-    # Logits processors as kernel keywords (CPU tensors / scalars; sample_processors.py), and
-    # logprobs n (None: none) with its mode. Either makes the call a launch of its own.
+    # Logits processors as kernel keywords (the fields as they arrived, or scalars;
+    # sample_processors.py), and logprobs n (None: none) with its mode. Either makes the call a
+    # launch of its own. ``checks``: their values' checks, run off the loop before the call
+    # queues (:meth:`checked`).
     processors: dict | None = None
+    checks: BulkChecks | None = None
     logprobs: int | None = None
     logprobs_mode: str = "raw"
     return_kept: bool = False
+    # The rows' sequences (server/sequences_sample.py SequenceRows) when the call names them:
+    # their state becomes the parameters and processors at the launch, a group of its own.
+    sequences: object = None
 
     op = "sample"
 
     @classmethod
     def from_pb(cls, msg: pb.SampleRequest, limits: Limits, path: str = "",
-                in_place: Mapping[str, memoryview] = NOT_IN_PLACE, regions=None) -> "SampleCall":
+                in_place: Mapping[str, memoryview] = NOT_IN_PLACE, regions=None, sequences=None) -> "SampleCall":
+        """``sequences``: the caller's open sequences (server/sequences_sample.py SequenceLookup),
+        which the Sample RPC alone passes."""
         logits = tensor_field(msg, "logits", path, in_place, dtypes=FLOATS, ranks=(2,), regions=regions)
         rows, vocab = logits.shape
         limits.check(f"{path}logits", rows, vocab)
+        named = None
+        if msg.sequence_ids:
+            if sequences is None:
+                raise ValueError(f"{path}sequence_ids: only the Sample RPC takes sequence ids (not Step or "
+                                 f"StreamSteps)")
+            named = sequences.rows(msg, rows, vocab, path)
         if msg.filter_order not in WIRE_FILTER_ORDERS:
             raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
         values = {p.name: _param(msg, p, rows, path, regions) for p in _CHECKED}
@@ -141,16 +152,23 @@ class SampleCall:
             values["seed"] = _draw_seeds(rows)
         shapes = {"token_ids": (torch.int64, (rows,)), "seeds": (torch.int64, (rows,)), "valid": (torch.bool, (rows,))}
         outputs = Outputs.of(msg, "Sample", regions, path, shapes)
-        processors, n_logprobs, logprobs_mode = parse_processors(msg, rows, vocab, path, regions, _param)
+        processors, checks, n_logprobs, logprobs_mode = parse_processors(msg, rows, vocab, path, regions, _param,
+                                                                         in_place)
         size = answer_bytes(pb.SampleResponse, {**shapes, **_logprobs_shapes(rows, vocab, n_logprobs, msg.return_kept)},
                             outputs)
         limits.check_answer(f"{path}logits", size)
         call = cls(logits=logits, filter_order=WIRE_FILTER_ORDERS[msg.filter_order], outputs=outputs,
-                   regions=regions, answer_size=size, processors=processors, logprobs=n_logprobs,
-                   logprobs_mode=logprobs_mode, return_kept=msg.return_kept, **values)
+                   regions=regions, answer_size=size, processors=processors, checks=checks, logprobs=n_logprobs,
+                   logprobs_mode=logprobs_mode, return_kept=msg.return_kept, sequences=named, **values)
         if call.random_val is not None and _any_nonzero(call.min_p):
             raise ValueError(f"{path}min_p: must be 0 with random_val (InfiniCore's random_sample has no min-p)")
         return call
+
+    async def checked(self) -> None:
+        """The processor fields' element-wise checks, on a worker thread (``ValueError`` naming
+        the first broken one): the batcher awaits this before it queues the call."""
+        if self.checks is not None:
+            await self.checks.run_off_loop()
 
     @property
     def inputs(self) -> tuple:
@@ -164,7 +182,7 @@ class SampleCall:
     def key(self):
         """The key of calls that may share a launch; the last item: whether the kernel draws its
         own random values (no random_val). None (a group of its own) with processors or logprobs."""
-        if self.processors is not None or self.logprobs is not None or self.return_kept:
+        if self.processors is not None or self.logprobs is not None or self.return_kept or self.sequences is not None:
             return None
         return (self.op, self.logits.dtype, self.logits.shape[1], self.filter_order, self.random_val is None)
 
@@ -183,6 +201,13 @@ class SampleCall:
             if name in self.outputs:
                 self.outputs.put(name, value)
 
+    def use_params(self, values: dict[str, Param]) -> None:
+        """On the launch thread: the sampling parameters ``values`` (a sequence call's, from its
+        state) in place of the call's, packed again."""
+        for name, value in values.items():
+            setattr(self, name, value)
+        self.__post_init__()
+
     def __post_init__(self):
         floats = [getattr(self, name) for name in FLOAT_PARAMS]
         if self.random_val is not None:
@@ -200,7 +225,9 @@ class SampleCall:
         if calls[0].key is None:  # processors, logprobs or the kept set: a group of one
             results = []
             for c in calls:
-                tokens, lp = await handle.run(launch_processed, c, handle, _param_names([c]))
+                names = _param_names([c])
+                tokens, lp = await (handle.run(launch_processed, c, handle, names) if c.sequences is None
+                                    else handle.run(c.sequences.launch, c, handle, names, launch_processed))
                 results.append(SampleResult(tokens.tolist(), c.seeds(), c.outputs, written=True, logprobs=lp))
             return results
         if launches_in_place(calls, handle.device):

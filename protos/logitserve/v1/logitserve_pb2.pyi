@@ -67,7 +67,7 @@ class RegionRef(_message.Message):
     def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("logits", "temperature", "temperature_rows", "top_k", "top_k_rows", "top_p", "top_p_rows", "min_p", "min_p_rows", "seed", "seed_rows", "step", "step_rows", "filter_order", "random_val", "random_val_rows", "output_regions", "prompt_token_ids", "prompt_offsets", "output_token_ids", "output_offsets", "repetition_penalty", "repetition_penalty_rows", "frequency_penalty", "frequency_penalty_rows", "presence_penalty", "presence_penalty_rows", "logit_bias_ids", "logit_bias_values", "logit_bias_offsets", "allowed_token_ids", "allowed_offsets", "banned_token_ids", "banned_offsets", "min_tokens", "min_tokens_rows", "stop_token_ids", "stop_offsets", "grammar_bitmask", "logprobs", "logprobs_mode", "return_kept")
+    __slots__ = ("logits", "temperature", "temperature_rows", "top_k", "top_k_rows", "top_p", "top_p_rows", "min_p", "min_p_rows", "seed", "seed_rows", "step", "step_rows", "filter_order", "random_val", "random_val_rows", "output_regions", "prompt_token_ids", "prompt_offsets", "output_token_ids", "output_offsets", "repetition_penalty", "repetition_penalty_rows", "frequency_penalty", "frequency_penalty_rows", "presence_penalty", "presence_penalty_rows", "logit_bias_ids", "logit_bias_values", "logit_bias_offsets", "allowed_token_ids", "allowed_offsets", "banned_token_ids", "banned_offsets", "min_tokens", "min_tokens_rows", "stop_token_ids", "stop_offsets", "grammar_bitmask", "logprobs", "logprobs_mode", "return_kept", "sequence_ids")
     class OutputRegionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class SampleRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     RETURN_KEPT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
     logits: Tensor
     temperature: float
     temperature_rows: Tensor
@@ -159,7 +160,8 @@ class SampleRequest(_message.Message):
     logprobs: int
     logprobs_mode: str
     return_kept: bool
-    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_k: _Optional[int] = ..., top_k_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_p: _Optional[float] = ..., top_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., min_p: _Optional[float] = ..., min_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., seed_rows: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ..., step_rows: _Optional[_Union[Tensor, _Mapping]] = ..., filter_order: _Optional[_Union[FilterOrder, str]] = ..., random_val: _Optional[float] = ..., random_val_rows: _Optional[_Union[Tensor, _Mapping]] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., output_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., repetition_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., frequency_penalty: _Optional[float] = ..., frequency_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., presence_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_values: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., banned_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., banned_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., min_tokens: _Optional[int] = ..., min_tokens_rows: _Optional[_Union[Tensor, _Mapping]] = ..., stop_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., stop_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grammar_bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., return_kept: _Optional[bool] = ...) -> None: ...
+    sequence_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_k: _Optional[int] = ..., top_k_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_p: _Optional[float] = ..., top_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., min_p: _Optional[float] = ..., min_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., seed_rows: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ..., step_rows: _Optional[_Union[Tensor, _Mapping]] = ..., filter_order: _Optional[_Union[FilterOrder, str]] = ..., random_val: _Optional[float] = ..., random_val_rows: _Optional[_Union[Tensor, _Mapping]] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., output_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., repetition_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., frequency_penalty: _Optional[float] = ..., frequency_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., presence_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_values: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., banned_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., banned_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., min_tokens: _Optional[int] = ..., min_tokens_rows: _Optional[_Union[Tensor, _Mapping]] = ..., stop_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., stop_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grammar_bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., return_kept: _Optional[bool] = ..., sequence_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("token_ids", "seeds", "valid", "token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")
@@ -394,37 +396,107 @@ class StepResponse(_message.Message):
     silu: SiluResponse
     def __init__(self, id: _Optional[str] = ..., sample: _Optional[_Union[SampleResponse, _Mapping]] = ..., route_experts: _Optional[_Union[RouteExpertsResponse, _Mapping]] = ..., softmax: _Optional[_Union[SoftmaxResponse, _Mapping]] = ..., causal_softmax: _Optional[_Union[CausalSoftmaxResponse, _Mapping]] = ..., silu: _Optional[_Union[SiluResponse, _Mapping]] = ...) -> None: ...
 
+class SequenceSpec(_message.Message):
+    __slots__ = ("id", "temperature", "top_k", "top_p", "min_p", "seed", "step", "repetition_penalty", "frequency_penalty", "presence_penalty", "prompt_token_ids", "output_token_ids", "logit_bias_ids", "logit_bias_values", "banned_token_ids", "min_tokens", "stop_token_ids")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    BANNED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    step: int
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias_ids: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
+    banned_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., banned_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenSequencesRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceSpec]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceSpec, _Mapping]]] = ...) -> None: ...
+
+class OpenSequencesResponse(_message.Message):
+    __slots__ = ("seeds",)
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    seeds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seeds: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CloseSequencesRequest(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CloseSequencesResponse(_message.Message):
+    __slots__ = ("closed_ids",)
+    CLOSED_IDS_FIELD_NUMBER: _ClassVar[int]
+    closed_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, closed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_rows", "max_vocab", "max_batch_rows", "max_delay_us", "max_queue")
+    __slots__ = ("max_message_bytes", "max_rows", "max_vocab", "max_batch_rows", "max_delay_us", "max_queue", "max_sequences", "sequence_idle_s")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_VOCAB_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_DELAY_US_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_rows: int
     max_vocab: int
     max_batch_rows: int
     max_delay_us: int
     max_queue: int
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_rows: _Optional[int] = ..., max_vocab: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., max_delay_us: _Optional[int] = ..., max_queue: _Optional[int] = ...) -> None: ...
+    max_sequences: int
+    sequence_idle_s: float
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_rows: _Optional[int] = ..., max_vocab: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., max_delay_us: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_sequences: _Optional[int] = ..., sequence_idle_s: _Optional[float] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("launches", "batched_requests", "queue_depth", "plan_cache_size")
+    __slots__ = ("launches", "batched_requests", "queue_depth", "plan_cache_size", "open_sequences", "sequence_bytes")
     LAUNCHES_FIELD_NUMBER: _ClassVar[int]
     BATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     PLAN_CACHE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_BYTES_FIELD_NUMBER: _ClassVar[int]
     launches: int
     batched_requests: int
     queue_depth: int
     plan_cache_size: int
-    def __init__(self, launches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., queue_depth: _Optional[int] = ..., plan_cache_size: _Optional[int] = ...) -> None: ...
+    open_sequences: int
+    sequence_bytes: int
+    def __init__(self, launches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., queue_depth: _Optional[int] = ..., plan_cache_size: _Optional[int] = ..., open_sequences: _Optional[int] = ..., sequence_bytes: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("version", "device", "device_name", "backend", "dtypes", "warmed_dtypes", "limits", "stats")

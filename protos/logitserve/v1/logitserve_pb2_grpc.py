@@ -86,6 +86,16 @@ class LogitServeStub:
                 request_serializer=logitserve_dot_v1_dot_logitserve__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.OpenSequences = channel.unary_unary(
+                '/logitserve.v1.LogitServe/OpenSequences',
+                request_serializer=logitserve_dot_v1_dot_logitserve__pb2.OpenSequencesRequest.SerializeToString,
+                response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.OpenSequencesResponse.FromString,
+                _registered_method=True)
+        self.CloseSequences = channel.unary_unary(
+                '/logitserve.v1.LogitServe/CloseSequences',
+                request_serializer=logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesRequest.SerializeToString,
+                response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesResponse.FromString,
+                _registered_method=True)
 
 
 class LogitServeServicer:
@@ -162,6 +172,25 @@ class LogitServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSequences(self, request, context):
+        """Opens sequences: sampling state the server keeps per sequence (parameters, seed and step,
+        penalties with the prompt's and the output's tokens, logit bias, banned and stop tokens,
+        min_tokens), applied by every Sample whose rows name it (SampleRequest.sequence_ids). All or
+        none of a request's sequences open. Adds ALREADY_EXISTS (an id this caller has open) and
+        RESOURCE_EXHAUSTED (past the server's --max-sequences).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSequences(self, request, context):
+        """Closes sequences and frees their state. Ids this caller has no open sequence of are skipped
+        (the answer lists those closed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LogitServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -209,6 +238,16 @@ def add_LogitServeServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.GetServerInfoRequest.FromString,
                     response_serializer=logitserve_dot_v1_dot_logitserve__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'OpenSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSequences,
+                    request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.OpenSequencesRequest.FromString,
+                    response_serializer=logitserve_dot_v1_dot_logitserve__pb2.OpenSequencesResponse.SerializeToString,
+            ),
+            'CloseSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSequences,
+                    request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesRequest.FromString,
+                    response_serializer=logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -461,6 +500,60 @@ class LogitServe:
             '/logitserve.v1.LogitServe/GetServerInfo',
             logitserve_dot_v1_dot_logitserve__pb2.GetServerInfoRequest.SerializeToString,
             logitserve_dot_v1_dot_logitserve__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logitserve.v1.LogitServe/OpenSequences',
+            logitserve_dot_v1_dot_logitserve__pb2.OpenSequencesRequest.SerializeToString,
+            logitserve_dot_v1_dot_logitserve__pb2.OpenSequencesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logitserve.v1.LogitServe/CloseSequences',
+            logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesRequest.SerializeToString,
+            logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,107 @@
+"""Sequences: sampling state the server keeps per sequence (OpenSequences, CloseSequences, and
+``Sample`` by ``sequence_ids``), written once for ``Client`` and ``AsyncClient``.
+
+:class:`SequenceMethods` is a mixin of :class:`~.client._Methods` (it uses ``_simple`` and
+``sample``). A sequence is opened with its parameters and lists once; each call then names it
+and sends only the logits (and a grammar bitmask, which changes every step); the server draws
+with the sequence's state, appends the token to its output and advances its step::
+
+    with client.open_sequences([{"id": 1, "prompt_token_ids": prompt, "seed": 7, "top_p": 0.9,
+                                 "repetition_penalty": 1.1}]) as seqs:
+        for _ in range(steps):
+            token = seqs.sample(next_logits()).token_ids       # == client.sample(..., sequence_ids=seqs.ids)
+
+``async with await aclient.open_sequences(...) as seqs`` for :class:`~.client.AsyncClient`
+(``await seqs.sample(...)``). Ids are the caller's int64s, apart from other bearer tokens'.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from logitserve.v1 import logitserve_pb2 as pb
+
+from .transport import CLIENT_TIMEOUT
+
+_SCALARS = ("temperature", "top_k", "top_p", "min_p", "seed", "step", "repetition_penalty", "frequency_penalty",
+            "presence_penalty", "min_tokens")
+_LISTS = ("prompt_token_ids", "output_token_ids", "banned_token_ids", "stop_token_ids")
+
+
+def _ints(values) -> list[int]:
+    return [int(i) for i in np.asarray(values, dtype=np.int64).reshape(-1)]
+
+
+def sequence_spec(id: int, *, logit_bias: Mapping[int, float] | None = None, **fields) -> pb.SequenceSpec:
+    """A ``SequenceSpec``: ``id`` and any of the sampling parameters (``temperature``, ``top_k``,
+    ``top_p``, ``min_p``, ``seed``, ``step``: the first call's, then one more a call), the
+    penalties, ``min_tokens``, and the lists as token ids (``prompt_token_ids``,
+    ``output_token_ids``, ``banned_token_ids``, ``stop_token_ids``: arrays, tensors or lists);
+    ``logit_bias``: ``{token id: bias}``. Unset: the server's defaults (a seed is drawn)."""
+    spec = pb.SequenceSpec(id=int(id))
+    for name, value in fields.items():
+        if name in _SCALARS:
+            if value is not None:
+                setattr(spec, name, value)
+        elif name in _LISTS:
+            getattr(spec, name).extend(_ints(value))
+        else:
+            raise TypeError(f"sequence_spec() got an unexpected keyword argument {name!r}")
+    for token, bias in (logit_bias or {}).items():
+        spec.logit_bias_ids.append(int(token))
+        spec.logit_bias_values.append(float(bias))
+    return spec
+
+
+class Sequences:
+    """Open sequences: ``ids`` (in the order opened) and the ``seeds`` they use. A context
+    manager (``with`` / ``async with``) that closes them; :meth:`sample` names them all, one row
+    of the logits each, in ``ids`` order."""
+
+    def __init__(self, client, ids: list[int], seeds: list[int]):
+        self._client = client
+        self.ids = ids
+        self.seeds = seeds
+
+    def sample(self, logits, **options):
+        """``client.sample(logits, sequence_ids=self.ids, **options)``: options are those a
+        sequence leaves to the call (``grammar_bitmask``, ``logprobs``, ``logprobs_mode``,
+        ``return_kept``, ``filter_order``, ``out``, ``stream``, ``timeout``)."""
+        return self._client.sample(logits, sequence_ids=self.ids, **options)
+
+    def close(self, *, timeout=CLIENT_TIMEOUT):
+        """Close them (the ids closed; awaitable with an AsyncClient)."""
+        return self._client.close_sequences(self.ids, timeout=timeout)
+
+    def __enter__(self) -> "Sequences":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "Sequences":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class SequenceMethods:
+    """OpenSequences and CloseSequences; sample by ids with ``sample(..., sequence_ids=ids)``."""
+
+    def open_sequences(self, sequences: Iterable, *, timeout=CLIENT_TIMEOUT) -> Sequences:
+        """Open ``sequences`` (each a dict of :func:`sequence_spec`'s keywords, ``id`` included,
+        or a ``SequenceSpec``), all or none; a :class:`Sequences` of them. Errors:
+        ALREADY_EXISTS (an id open already), RESOURCE_EXHAUSTED (past the server's
+        ``--max-sequences``), INVALID_ARGUMENT naming ``sequences[i].<field>``."""
+        specs = [s if isinstance(s, pb.SequenceSpec) else sequence_spec(**s) for s in sequences]
+        ids = [s.id for s in specs]
+        return self._simple("OpenSequences", pb.OpenSequencesRequest(sequences=specs), pb.OpenSequencesResponse,
+                            lambda m: Sequences(self, ids, list(m.seeds)), timeout)
+
+    def close_sequences(self, ids, *, timeout=CLIENT_TIMEOUT) -> list[int]:
+        """Close this caller's sequences of ``ids``; the ids that were open (others are skipped)."""
+        return self._simple("CloseSequences", pb.CloseSequencesRequest(ids=_ints(ids)), pb.CloseSequencesResponse,
+                            lambda m: list(m.closed_ids), timeout)

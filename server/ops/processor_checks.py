@@ -1,0 +1,183 @@
+"""The element-wise checks of Sample's processor fields: in bulk, off the event loop (issue 33).
+
+A processors call's lists can be long (a prompt's and an output's tokens, 10^7 banned ids). On
+the event loop, sample_processors.py reads only each field's dtype, shape and presence; the
+values are checked here, on a worker thread, before the call queues (the batcher awaits
+``SampleCall.checked``, which runs :meth:`BulkChecks.run_off_loop`). The loop keeps answering
+other calls meanwhile, and since a call queues only once it is valid, its checks hold up no
+launch either.
+
+Every check is torch reductions on the tensor where it lies, never a loop over elements: the
+request's bytes viewed as a CPU tensor (no copy), a system region's bytes read through its
+descriptor (one copy: the server never maps them where they could shrink under it), a CUDA
+region on its device (never copied to the host; offsets ``[B + 1]`` sent as bytes beside ids in
+a CUDA region go to the ids' device). The rules are the kernels' (``kernels/sampling/
+processors.py``: :func:`ragged_broken` and :func:`ragged_error`, which the kernels' own CPU
+check runs too) and the parameter table's (``kernels/sampling/params.py``). Each check first
+gives a flag, on its tensor's device, saying whether anything is broken; the flags are read
+back together, once per device (on CUDA, one synchronisation for the whole call). Only when one
+is set are the messages made, in field order: the first names the field, the element or row,
+and the rule (``ValueError``, INVALID_ARGUMENT), the first offending element found by argmax
+over a mask and its row by a binary search of the offsets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from logitserve.kernels.sampling.params import SamplingParam
+from logitserve.kernels.sampling.processors import first_true, ragged_broken, ragged_error, row_of
+
+from ..tensors import DeviceTensor, HostTensor
+
+Checked = HostTensor | DeviceTensor
+
+
+def _read(t: Checked) -> torch.Tensor:
+    """``t`` as the checks read it: a CUDA region in place, on its device; host bytes as
+    ``HostTensor.torch`` gives them (the request's bytes viewed; a system region's bytes, which
+    the CPU reads here: the one place to change how)."""
+    return t.torch()
+
+
+def in_float32(param: SamplingParam) -> str:
+    """The rule a float parameter breaks once rounded to float32, as the messages state it."""
+    return f"must be {param.rule} in float32, the precision the kernels use"
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A per-row parameter ``<name>_rows [B]``: every value within the table's rule, and for a
+    float, within it in float32 too (a repetition penalty of 1e300 is infinite there)."""
+
+    name: str  # the field, with its path
+    param: SamplingParam
+    values: Checked
+
+    def _floats(self) -> bool:
+        return self.param.kind is float
+
+    def broken(self) -> torch.Tensor:
+        v = _read(self.values)
+        ok = self.param.ok(v)
+        if self._floats():
+            ok &= self.param.ok(v.to(torch.float32))
+        return ~ok.all()
+
+    def error(self) -> str | None:
+        v = _read(self.values)
+        rules = [(v, f"must be {self.param.rule}")]
+        if self._floats():
+            rules.append((v.to(torch.float32), in_float32(self.param)))
+        for seen, rule in rules:
+            bad = ~self.param.ok(seen)
+            if bad.any().item():
+                i = first_true(bad)
+                return f"{self.name}[{i}]: {rule}, got {v[i].item()}"
+        return None
+
+
+@dataclass(frozen=True)
+class _Ragged:
+    """A ragged list: offsets from 0, not decreasing, ending at the ids' length; ids in [0, V)."""
+
+    path: str
+    ids_name: str
+    offsets_name: str
+    ids: Checked | None  # None: offsets alone, every row empty
+    offsets: Checked
+    vocab: int
+
+    def _tensors(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        offsets = _read(self.offsets)
+        if self.ids is None:
+            return None, offsets
+        ids = _read(self.ids)
+        return ids, offsets.to(ids.device)
+
+    def broken(self) -> torch.Tensor:
+        return ragged_broken(*self._tensors(), self.vocab)
+
+    def error(self) -> str | None:
+        found = ragged_error(*self._tensors(), self.vocab)
+        if found is None:
+            return None
+        which, message = found
+        return f"{self.path}{self.ids_name if which == 'ids' else self.offsets_name}: {message}"
+
+
+@dataclass(frozen=True)
+class _Bias:
+    """Logit bias values: finite once in float32, as the kernels add them (checked after the
+    logit bias list, so its offsets hold when a value's row is looked up)."""
+
+    name: str
+    values: Checked
+    offsets: Checked
+
+    def _float32(self) -> torch.Tensor:
+        return _read(self.values).to(torch.float32)
+
+    def broken(self) -> torch.Tensor:
+        return ~torch.isfinite(self._float32()).all()
+
+    def error(self) -> str | None:
+        v = self._float32()
+        bad = ~torch.isfinite(v)
+        if not bad.any().item():
+            return None
+        i = first_true(bad)
+        return (f"{self.name}[{i}]: must be finite in float32 (row {row_of(_read(self.offsets), i)}), got "
+                f"{v[i].item()}")
+
+
+@dataclass(eq=False)
+class BulkChecks:
+    """The element-wise checks of one call's processor fields, in field order."""
+
+    checks: list = field(default_factory=list)
+
+    def rows(self, name: str, param: SamplingParam, values: Checked) -> None:
+        self.checks.append(_Rows(name, param, values))
+
+    def ragged(self, path: str, ids_name: str, offsets_name: str, ids: Checked | None, offsets: Checked,
+               vocab: int) -> None:
+        self.checks.append(_Ragged(path, ids_name, offsets_name, ids, offsets, vocab))
+
+    def bias(self, name: str, values: Checked, offsets: Checked) -> None:
+        self.checks.append(_Bias(name, values, offsets))
+
+    def __bool__(self) -> bool:
+        return bool(self.checks)
+
+    def run(self) -> None:
+        """Every check (on a worker thread); ``ValueError`` naming the first broken field."""
+        flags: dict[torch.device, list[torch.Tensor]] = {}
+        for check in self.checks:
+            flag = check.broken()
+            flags.setdefault(flag.device, []).append(flag)
+        if not any(torch.stack(on_device).any().item() for on_device in flags.values()):
+            return
+        for check in self.checks:
+            message = check.error()
+            if message is not None:
+                raise ValueError(message)
+
+    async def run_off_loop(self) -> None:
+        """:meth:`run` on a worker thread of the running loop. Cancelled, it still returns only
+        once the thread is done: the thread reads the call's tensors, some perhaps in regions
+        whose leases the handler gives back as it ends."""
+        done = asyncio.get_running_loop().run_in_executor(None, self.run)
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            while not done.done():
+                try:
+                    await asyncio.wait([done])
+                except asyncio.CancelledError:
+                    pass  # cancelled again: the thread is still reading
+            done.exception()  # retrieved: what the checks found goes nowhere, the caller has left
+            raise

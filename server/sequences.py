@@ -1,0 +1,215 @@
+"""Sequences: sampling state the server keeps per sequence (issue 33), so that a frontend names
+its sequences in each Sample instead of resending every parameter, prompt and output.
+
+A :class:`Sequence` holds one sequence's parameters, seed and step, and its lists (prompt,
+output, logit bias, banned and stop tokens) as tensors on the server's device; the
+:class:`SequenceTable` holds the open ones of every caller, keyed by ``(owner, id)``: the owner
+is the regions' (server/regions/names.py ``owner_of`` the caller's one ``authorization``
+header), so a bearer token sees only its own sequences, and two tokens may use the same ids.
+
+Threads. The event loop opens, closes and looks sequences up (the table's dict, each
+sequence's ``ended`` and ``last_used``); the launch thread reads a sequence's state and appends
+the drawn token and advances the step (sequences_sample.py). One lock guards the dict, the
+``ended`` marks and the byte count; the step and the output are written only by the launch
+thread, one launch at a time, so the launch reads them without racing a writer. A call holds
+its sequences from the lookup on: one closed (or expired) while the call waits for its launch is
+seen ended at the launch, which then answers NOT_FOUND; one closed during its launch is
+appended to and dropped with the call.
+
+Idle expiry is swept on every table operation (the dict is ordered by last use, so a sweep
+looks only at the expired); a server nobody calls keeps its idle sequences until the next call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import NotFound, TooLarge
+from .regions import RegionExists
+
+ID_BYTES = 8  # every list is int64 on the device
+OPEN_FIRST = "open it first with OpenSequences"
+
+
+class SequenceNotFound(NotFound):
+    """No open sequence of that id for this caller: NOT_FOUND."""
+
+
+class SequenceExists(RegionExists):
+    """An id this caller has open already: ALREADY_EXISTS (the status guard.py gives RegionExists)."""
+
+
+@dataclass(frozen=True)
+class SequenceParams:
+    """A sequence's sampling parameters, as the kernels' keywords (checked: sequences_open.py)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One open sequence. ``output`` has room to grow (``output_len`` of it hold tokens)."""
+
+    owner: str | None
+    id: int
+    params: SequenceParams
+    step: int
+    prompt: torch.Tensor
+    output: torch.Tensor
+    output_len: int
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+    banned: torch.Tensor
+    stop: torch.Tensor
+    max_id: int  # the largest token id held (-1: none): checked against each call's vocabulary
+    last_used: float = 0.0
+    ended: str | None = None  # why it is no longer open ("closed", "expired"); None while open
+    counted: int = 0  # the bytes the table counts for it (its nbytes, but for growth after it ended)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.prompt, self.output, self.bias_ids,
+                                                          self.bias_values, self.banned, self.stop))
+
+    def outputs(self) -> torch.Tensor:
+        return self.output[:self.output_len]
+
+    def append(self, token: torch.Tensor, value: int) -> int:
+        """``token`` (a one-element tensor on the device, whose value is ``value``) appended to
+        the output; the bytes the output grew by."""
+        grown = 0
+        if self.output_len == self.output.shape[0]:  # full: twice the room, amortised O(1) a token
+            bigger = torch.empty(max(16, 2 * self.output_len), dtype=self.output.dtype, device=self.output.device)
+            bigger[:self.output_len] = self.outputs()
+            grown = (bigger.shape[0] - self.output.shape[0]) * ID_BYTES
+            self.output = bigger
+        self.output[self.output_len:self.output_len + 1] = token
+        self.output_len += 1
+        self.max_id = max(self.max_id, value)
+        return grown
+
+
+def not_open(field: str, seq_id: int) -> SequenceNotFound:
+    return SequenceNotFound(f"{field}: no open sequence {seq_id} for this caller (never opened, closed, idle past "
+                            f"--sequence-idle-s, or opened before the server restarted); {OPEN_FIRST}")
+
+
+@dataclass(eq=False)
+class SequenceTable:
+    """The open sequences of every caller, at most ``max_sequences`` in all; each closed once no
+    call has named it for ``idle_s`` seconds. ``clock``: monotonic seconds (tests move it)."""
+
+    max_sequences: int
+    idle_s: float
+    device: torch.device
+    clock: object = time.monotonic
+    _open: OrderedDict = field(default_factory=OrderedDict, repr=False)  # (owner, id) -> Sequence, by last use
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _bytes: int = 0
+    expired: int = 0  # sequences closed for idleness since the start
+
+    def _sweep(self, now: float) -> None:
+        """Under the lock: close the sequences idle past ``idle_s`` (the oldest come first)."""
+        while self._open:
+            key, seq = next(iter(self._open.items()))
+            if now - seq.last_used < self.idle_s:
+                return
+            self._end(key, "expired")
+            self.expired += 1
+
+    def _end(self, key, why: str) -> Sequence:
+        seq = self._open.pop(key)
+        seq.ended = why
+        self._bytes -= seq.counted
+        return seq
+
+    def open(self, sequences: list[Sequence]) -> None:
+        """Open ``sequences`` (one caller's, ids distinct), all or none: ``SequenceExists`` for
+        an id the caller has open, ``TooLarge`` past ``max_sequences``."""
+        with self._lock:
+            now = self.clock()
+            self._sweep(now)
+            for i, seq in enumerate(sequences):
+                if (seq.owner, seq.id) in self._open:
+                    raise SequenceExists(f"sequences[{i}].id: sequence {seq.id} is open already; close it first "
+                                         f"with CloseSequences, or pick another id")
+            if len(self._open) + len(sequences) > self.max_sequences:
+                raise TooLarge(f"sequences: {len(sequences)} more would make {len(self._open) + len(sequences)} "
+                               f"open, past the server's limit (--max-sequences {self.max_sequences}); close some "
+                               f"first")
+            for seq in sequences:
+                seq.last_used = now
+                seq.counted = seq.nbytes
+                self._open[(seq.owner, seq.id)] = seq
+                self._bytes += seq.counted
+
+    def close(self, owner: str | None, ids) -> list[int]:
+        """Close ``owner``'s sequences of ``ids``; the ids that were open."""
+        closed = []
+        with self._lock:
+            self._sweep(self.clock())
+            for seq_id in ids:
+                if (owner, seq_id) in self._open:
+                    self._end((owner, seq_id), "closed")
+                    closed.append(seq_id)
+        return closed
+
+    def lookup(self, owner: str | None, ids, field: str = "sequence_ids") -> list[Sequence]:
+        """``owner``'s open sequences of ``ids`` (a Sample's rows, each named once), marked used
+        now; ``SequenceNotFound`` naming the first missing one."""
+        with self._lock:
+            now = self.clock()
+            self._sweep(now)
+            found = []
+            for row, seq_id in enumerate(ids):
+                key = (owner, seq_id)
+                seq = self._open.get(key)
+                if seq is None:
+                    raise not_open(f"{field}[{row}]", seq_id)
+                self._open.move_to_end(key)
+                seq.last_used = now
+                found.append(seq)
+            return found
+
+    def check_open(self, sequences: list[Sequence], field: str = "sequence_ids") -> None:
+        """On the launch thread: ``SequenceNotFound`` for the first of ``sequences`` that ended
+        (closed or expired) while its call waited."""
+        with self._lock:
+            for row, seq in enumerate(sequences):
+                if seq.ended is not None:
+                    raise SequenceNotFound(f"{field}[{row}]: sequence {seq.id} was {seq.ended} while this call "
+                                           f"waited for its launch; {OPEN_FIRST}")
+
+    def advance(self, sequences: list[Sequence], tokens: list[int], on_device: torch.Tensor) -> None:
+        """On the launch thread, after the draw: each row's token (``tokens``, and the same on
+        the device) appended to its sequence's output unless it is -1 (no token), and every
+        step advanced by one. The appends run outside the lock (only this thread writes an
+        output); the bytes they add are counted under it, for the sequences still open."""
+        grown = []
+        for row, (seq, token) in enumerate(zip(sequences, tokens)):
+            if token >= 0:
+                grown.append((seq, seq.append(on_device[row:row + 1], token)))
+            seq.step += 1
+        with self._lock:
+            for seq, nbytes in grown:
+                if nbytes and seq.ended is None:
+                    seq.counted += nbytes
+                    self._bytes += nbytes
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            self._sweep(self.clock())
+            return {"open_sequences": len(self._open), "sequence_bytes": self._bytes}

@@ -1,0 +1,115 @@
+"""OpenSequences and CloseSequences: each SequenceSpec checked into a :class:`~.sequences.Sequence`
+(its lists copied to the server's device), and the table's answers.
+
+The rules are Sample's (``kernels/sampling/params.py``: each parameter in its range, in float32
+too for a float; token ids >= 0; bias values finite in float32), plus: token ids below
+``--max-vocab`` (each Sample checks them against its own vocabulary, by the largest id a
+sequence holds), bias values one per bias id, ids distinct within the request. A broken rule is
+a ``ValueError`` naming ``sequences[i].<field>`` and the rule (INVALID_ARGUMENT). A prompt can
+be long: the whole request is checked and copied on a worker thread, in bulk (numpy and torch
+reductions, never a loop over a list's elements), off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import numpy as np
+import torch
+
+from logitserve.kernels.sampling.params import (FREQUENCY_PENALTY, MIN_P, MIN_TOKENS, PRESENCE_PENALTY,
+                                                REPETITION_PENALTY, SEED, SEED_BITS, STEP, TEMPERATURE, TOP_K, TOP_P)
+from logitserve.v1 import logitserve_pb2 as pb
+
+from .errors import TooLarge
+from .sequences import Sequence, SequenceParams, SequenceTable
+
+# The parameters a SequenceSpec may set, in the order they are checked.
+_PARAMS = (TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, REPETITION_PENALTY, FREQUENCY_PENALTY, PRESENCE_PENALTY,
+           MIN_TOKENS)
+# Room left above a sequence's first step for the steps to come (the kernels take steps < 2**63).
+MAX_FIRST_STEP = 1 << 62
+_LISTS = ("prompt_token_ids", "output_token_ids", "logit_bias_ids", "banned_token_ids", "stop_token_ids")
+
+
+def _param(spec: pb.SequenceSpec, param, path: str):
+    if not spec.HasField(param.name):
+        return param.default
+    value = getattr(spec, param.name)
+    if not param.ok(value):
+        raise ValueError(f"{path}{param.name}: must be {param.rule}, got {value}")
+    if param.kind is float:
+        with np.errstate(over="ignore"):
+            rounded = float(np.float32(value))
+        if not param.ok(rounded):
+            raise ValueError(f"{path}{param.name}: must be {param.rule} in float32, the precision the kernels use, "
+                             f"got {value}")
+    return value
+
+
+def _ids(spec: pb.SequenceSpec, name: str, path: str, max_vocab: int) -> np.ndarray:
+    """A list field as int64, each id in [0, max_vocab) (checked in bulk)."""
+    ids = np.asarray(getattr(spec, name), dtype=np.int64)
+    bad = (ids < 0) | (ids >= max_vocab)
+    if bad.any():
+        i = int(bad.argmax())
+        raise ValueError(f"{path}{name}[{i}]: must be a token id in [0, {max_vocab}) (--max-vocab), got {ids[i]}")
+    return ids
+
+
+def sequence_of(spec: pb.SequenceSpec, path: str, owner: str | None, device: torch.device,
+                max_vocab: int) -> Sequence:
+    """One SequenceSpec checked, its lists on ``device``; ``ValueError`` naming the field."""
+    values = {p.name: _param(spec, p, path) for p in _PARAMS}
+    if values["seed"] is None:
+        values["seed"] = secrets.randbits(SEED_BITS)
+    step = spec.step if spec.HasField("step") else STEP.default
+    if not 0 <= step < MAX_FIRST_STEP:
+        raise ValueError(f"{path}step: must be in [0, 2**62) (room for the steps to come), got {step}")
+    lists = {name: _ids(spec, name, path, max_vocab) for name in _LISTS}
+    bias = np.asarray(spec.logit_bias_values, dtype=np.float64)
+    if bias.shape[0] != lists["logit_bias_ids"].shape[0]:
+        raise ValueError(f"{path}logit_bias_values: must have one value per logit_bias_ids entry "
+                         f"({lists['logit_bias_ids'].shape[0]}), got {bias.shape[0]}")
+    with np.errstate(over="ignore"):
+        bias32 = bias.astype(np.float32)
+    bad = ~np.isfinite(bias32)
+    if bad.any():
+        i = int(bad.argmax())
+        raise ValueError(f"{path}logit_bias_values[{i}]: must be finite in float32, got {bias[i]}")
+    held = [ids for ids in lists.values() if ids.size]
+    on = {name: torch.from_numpy(ids).to(device) for name, ids in lists.items()}
+    return Sequence(owner=owner, id=spec.id, params=SequenceParams(**values), step=step,
+                    prompt=on["prompt_token_ids"], output=on["output_token_ids"],
+                    output_len=int(lists["output_token_ids"].shape[0]), bias_ids=on["logit_bias_ids"],
+                    bias_values=torch.from_numpy(bias32).to(device), banned=on["banned_token_ids"],
+                    stop=on["stop_token_ids"], max_id=max((int(ids.max()) for ids in held), default=-1))
+
+
+def sequences_of(request: pb.OpenSequencesRequest, owner: str | None, device: torch.device,
+                 max_vocab: int) -> list[Sequence]:
+    """Every sequence of ``request``, checked (ids distinct within it)."""
+    first: dict[int, int] = {}
+    for i, spec in enumerate(request.sequences):
+        if first.setdefault(spec.id, i) != i:
+            raise ValueError(f"sequences[{i}].id: {spec.id} appears twice in this request (also sequences"
+                             f"[{first[spec.id]}])")
+    return [sequence_of(spec, f"sequences[{i}].", owner, device, max_vocab)
+            for i, spec in enumerate(request.sequences)]
+
+
+async def open_sequences(table: SequenceTable, request: pb.OpenSequencesRequest, owner: str | None,
+                         max_vocab: int) -> pb.OpenSequencesResponse:
+    """The OpenSequences handler's work: checked and copied off the loop, then opened."""
+    if table.max_sequences == 0:
+        raise TooLarge("OpenSequences: this server keeps no sequences (--max-sequences 0); send each row's "
+                         "parameters and lists with Sample instead")
+    sequences = await asyncio.to_thread(sequences_of, request, owner, table.device, max_vocab)
+    table.open(sequences)
+    return pb.OpenSequencesResponse(seeds=[s.params.seed for s in sequences])
+
+
+def close_sequences(table: SequenceTable, request: pb.CloseSequencesRequest,
+                    owner: str | None) -> pb.CloseSequencesResponse:
+    return pb.CloseSequencesResponse(closed_ids=table.close(owner, request.ids))

@@ -1,0 +1,132 @@
+"""Sample with ``sequence_ids``: each row's parameters and lists read from its sequence's state
+(server/sequences.py) at the launch, the draw made by the one Sample path (``SampleCall`` and
+``launch_processed``, the kernels' processors), then each row's token appended and its step
+advanced.
+
+On the event loop (``SampleCall.from_pb``, through :meth:`SequenceLookup.rows`): one id per
+row, none twice, every one an open sequence of the caller, the fields the state replaces
+unset, each sequence's tokens below the call's vocabulary. On the launch thread
+(:meth:`SequenceRows.launch`): the sequences still open (one closed or expired while the call
+waited: NOT_FOUND), the rows' parameters packed into the call as if sent per row, and the
+lists as the kernels' ragged keywords (ids concatenated on the device, ``[B + 1]`` offsets),
+so that the answer equals a call without sequence ids that sends the same values and lists.
+Only the features some row uses are passed: a list no row holds, or penalties all off, are left
+out, as a stateless caller would leave them (the kernels give the same logits either way).
+
+Building the lists costs the lists' lengths on the device each call (``torch.cat``): correct
+first; counts kept per sequence would make it O(B) (issue 33, item 4).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from logitserve.kernels.sampling.params import MIN_TOKENS, PENALTY_PARAMS, RAGGED_LISTS, SAMPLING_PARAMS
+
+from .regions_servicer import caller
+from .sequences import Sequence, SequenceTable
+
+# The SampleRequest fields a sequence's state replaces: with sequence_ids they must be unset.
+REPLACED = (*(f for p in (*SAMPLING_PARAMS.values(), *PENALTY_PARAMS.values(), MIN_TOKENS)
+              for f in (p.name, p.rows_field)),
+            *(f for ids, offsets, _ in RAGGED_LISTS.values() for f in (ids, offsets)), "logit_bias_values")
+_PENALTIES = tuple(PENALTY_PARAMS)
+
+
+def _ragged(parts: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' lists as the kernels' ragged pair: ids concatenated, offsets ``[B + 1]`` from 0."""
+    offsets = torch.tensor([0, *itertools.accumulate(p.shape[0] for p in parts)], dtype=torch.int64)
+    return torch.cat(parts), offsets.to(device)
+
+
+def _check_vocab(sequences: list[Sequence], vocab: int, path: str) -> None:
+    for row, seq in enumerate(sequences):
+        if seq.max_id >= vocab:
+            raise ValueError(f"{path}sequence_ids[{row}]: sequence {seq.id} holds token id {seq.max_id}, not below "
+                             f"this call's vocabulary ({vocab} logits a row)")
+
+
+@dataclass(eq=False)
+class SequenceRows:
+    """A Sample call's sequences, one per row."""
+
+    table: SequenceTable
+    sequences: list[Sequence]
+    vocab: int
+    path: str
+
+    def params(self) -> dict[str, list]:
+        """The rows' sampling parameters, as per-row values (``SampleCall.use_params``)."""
+        rows = [seq.params for seq in self.sequences]
+        return {"temperature": [p.temperature for p in rows], "top_k": [p.top_k for p in rows],
+                "top_p": [p.top_p for p in rows], "min_p": [p.min_p for p in rows],
+                "seed": [p.seed for p in rows], "step": [seq.step for seq in self.sequences]}
+
+    def processors(self, device: torch.device) -> dict:
+        """The kernels' processor keywords of the rows' state, on ``device``."""
+        seqs, kw = self.sequences, {}
+        params = [seq.params for seq in seqs]
+        penalties = any(getattr(p, name) != PENALTY_PARAMS[name].off for p in params for name in _PENALTIES)
+        stops = any(p.min_tokens > 0 for p in params) and any(seq.stop.numel() for seq in seqs)
+        if penalties:
+            for name in _PENALTIES:
+                kw[name] = torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
+            kw["prompt_token_ids"], kw["prompt_offsets"] = _ragged([seq.prompt for seq in seqs], device)
+        if penalties or stops:
+            kw["output_token_ids"], kw["output_offsets"] = _ragged([seq.outputs() for seq in seqs], device)
+        if stops:
+            kw["min_tokens"] = torch.tensor([p.min_tokens for p in params], dtype=torch.int64, device=device)
+            kw["stop_token_ids"], kw["stop_offsets"] = _ragged([seq.stop for seq in seqs], device)
+        if any(seq.bias_ids.numel() for seq in seqs):
+            kw["logit_bias_ids"], kw["logit_bias_offsets"] = _ragged([seq.bias_ids for seq in seqs], device)
+            kw["logit_bias_values"] = torch.cat([seq.bias_values for seq in seqs])
+        if any(seq.banned.numel() for seq in seqs):
+            kw["banned_token_ids"], kw["banned_offsets"] = _ragged([seq.banned for seq in seqs], device)
+        return kw
+
+    def launch(self, call, handle, names, launch_processed: Callable) -> tuple:
+        """On the launch thread: ``call`` (a SampleCall of these rows) launched with the
+        sequences' state by ``launch_processed``; then each row's token appended, its step
+        advanced. Returns what ``launch_processed`` does."""
+        self.table.check_open(self.sequences, self.path + "sequence_ids")
+        _check_vocab(self.sequences, self.vocab, self.path)  # again: a call meanwhile may have appended
+        call.use_params(self.params())
+        call.processors = {**(call.processors or {}), **self.processors(handle.device)}
+        tokens, logprobs = launch_processed(call, handle, names)
+        if tokens.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # to_host's copy: the values are read here
+        self.table.advance(self.sequences, tokens.tolist(), tokens.to(handle.device))
+        return tokens, logprobs
+
+
+@dataclass(eq=False)
+class SequenceLookup:
+    """What a Sample handler gives ``SampleCall.from_pb``: the table and the caller's owner."""
+
+    table: SequenceTable
+    context: object  # the call's grpc context: its authorization header names the owner
+
+    def rows(self, msg, rows: int, vocab: int, path: str = "") -> SequenceRows:
+        """The sequences ``msg.sequence_ids`` names, checked; ``ValueError`` / NOT_FOUND naming
+        the field, the row and the rule."""
+        ids = msg.sequence_ids
+        name = path + "sequence_ids"
+        if len(ids) != rows:
+            raise ValueError(f"{name}: must have one id per logits row ({rows}), got {len(ids)}: every row of a "
+                             f"call names a sequence, or none does")
+        first: dict[int, int] = {}
+        for row, seq_id in enumerate(ids):
+            if first.setdefault(seq_id, row) != row:
+                raise ValueError(f"{name}[{row}]: sequence {seq_id} is named twice in one call (also {name}"
+                                 f"[{first[seq_id]}]); a sequence draws one token a call")
+        for field in REPLACED:
+            if msg.HasField(field):
+                raise ValueError(f"{path}{field}: must be unset with sequence_ids (each row's sequence holds its "
+                                 f"parameters and lists; change them by reopening it)")
+        sequences = self.table.lookup(caller(self.context), ids, name)
+        _check_vocab(sequences, vocab, path)
+        return SequenceRows(self.table, sequences, vocab, path)
