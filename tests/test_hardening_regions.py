@@ -116,17 +116,23 @@ def _callers(server):
     return caller, made
 
 
+# LOGITSERVE_TEST_SERVER_DEVICE=cuda:0 runs these servers on a GPU (page-locked regions, which
+# only the device's copies touch): the lent GPU machine's check that a shrink cannot fault there.
+_DEVICE = os.environ.get("LOGITSERVE_TEST_SERVER_DEVICE", "cpu")
+_ON = {"device": _DEVICE, "backend": "torch" if _DEVICE == "cpu" else "triton"}
+
+
 @pytest.fixture(scope="module")
 def slow_server():
     # Every launch waits 400 ms first (on the launch thread): a call is checked and queued, and
     # its client truncates the object before the launch reads or writes it.
-    with ServerProcess("--warmup-dtypes", "none", "--busy-poll-us", "0", launch_delay_ms=400) as server:
+    with ServerProcess("--warmup-dtypes", "none", "--busy-poll-us", "0", launch_delay_ms=400, **_ON) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--warmup-dtypes", "none", "--busy-poll-us", "0") as server:
+    with ServerProcess("--warmup-dtypes", "none", "--busy-poll-us", "0", **_ON) as server:
         yield server
 
 
