@@ -53,7 +53,8 @@ def reads_in_place(t) -> bool:
 
 
 def copies_in(t, device: torch.device) -> bool:
-    """Whether input ``t`` reaches ``device`` by one DMA copy from its page-locked region."""
+    """Whether input ``t`` reaches ``device`` by one copy from its page-locked region (a kernel
+    reading the host pages, see :func:`on_device`)."""
     return type(t) is HostTensor and t.pinned and device.type == "cuda"
 
 
@@ -65,7 +66,14 @@ def unstaged(t, device: torch.device) -> bool:
 def on_device(t, device: torch.device) -> torch.Tensor:
     """Input ``t``, read in place or copied in, as a tensor the kernels read (launch thread, or
     inside a graph's capture, which records the copy)."""
-    return _pinned(t).to(device, non_blocking=True) if copies_in(t, device) else t.torch()
+    if not copies_in(t, device):
+        return t.torch()
+    # A kernel reads the page-locked pages through their device address, never the CPU: where a
+    # client shrank the object under the region, a CPU touch of the mapping faults (SIGBUS), and
+    # the driver's own copy of a page-locked buffer touched it (bench/pinned_shrink.py).
+    copied = torch.empty(t.shape, dtype=t.dtype, device=device)
+    copy_by_kernel(_pinned(t), copied)
+    return copied
 
 
 def _pinned(t: HostTensor) -> torch.Tensor:

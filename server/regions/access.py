@@ -33,6 +33,13 @@ def shrunk_error(field: str, region, size: int) -> ValueError:
                       f"registered object); unregister it")
 
 
+def detached_error(field: str, region) -> ValueError:
+    """The error of a call on a page-locked region whose object was cut under it (pinning.py)."""
+    return ValueError(f"{field}.region: the shared-memory object {region.key!r} of region {region.name!r} shrank "
+                      f"while registered, and the device still holds the pages the region had, not the object's "
+                      f"(a client must not shrink a registered object); unregister it and register it again")
+
+
 def byte_view(data) -> memoryview:
     """``data`` (bytes-like, a numpy array, or a CPU torch tensor) as a flat byte view, copied only
     where it is not contiguous."""

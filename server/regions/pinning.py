@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
+import struct
+import threading
 
 import numpy as np
 
@@ -23,8 +26,9 @@ _PORTABLE, _MAPPED, _READ_ONLY = 0x01, 0x02, 0x08
 
 
 def pin(mapping: mmap.mmap, writable: bool, what: str):
-    """Page-lock the whole of ``mapping``; the function that undoes it (call it before the
-    mapping closes), or None where CUDA refuses."""
+    """Page-lock the whole of ``mapping``; ``(unpin, still_attached)``, or None where CUDA refuses.
+    Call ``unpin`` before the mapping closes; ``still_attached(start, end)`` tells whether bytes
+    ``[start, end)`` of the mapping are still the object's pages (see :func:`_present`)."""
     import torch
 
     cudart = torch.cuda.cudart()
@@ -40,4 +44,27 @@ def pin(mapping: mmap.mmap, writable: bool, what: str):
     def unpin() -> None:
         cudart.cudaHostUnregister(ptr)
 
-    return unpin
+    def still_attached(start: int, end: int) -> bool:
+        return end <= start or (_present(ptr + start) and _present(ptr + end - 1))
+
+    return unpin, still_attached
+
+
+# A client that truncates its object takes the pages from the object, but the device keeps the
+# ones it locked: from then on the region's device view is not the object's, even once the
+# object grows back. Truncation also clears the server's page-table entries for those pages,
+# and nothing sets them again, since the server's CPU never touches a locked region (its bytes
+# go by kernels and DMA only): so a page not present in /proc/self/pagemap (bit 63) is a page
+# cut off. A truncation cuts everything past its new size, so the last page of a slice tells.
+_PAGE = mmap.PAGESIZE
+_pagemap: int | None = None
+_pagemap_lock = threading.Lock()
+
+
+def _present(address: int) -> bool:
+    global _pagemap
+    with _pagemap_lock:
+        if _pagemap is None:
+            _pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    entry, = struct.unpack("<Q", os.pread(_pagemap, 8, address // _PAGE * 8))
+    return bool(entry >> 63)

@@ -43,6 +43,9 @@ class Region:
         self.buf: memoryview | None = None  # ... their bytes, [offset, offset + byte_size) of the object
         self.object_end = offset + byte_size  # the object must stay at least this long
         self.unpin = None  # set where the mapping is page-locked (server/regions/pinning.py)
+        self.still_attached = None  # ... with it: whether a byte range's locked pages are still the object's
+        self.map_start = 0  # the object's offset of the locked mapping's first byte
+        self.detached = False  # the object was cut under the locked pages: refused until registered again
         # CUDA
         self.base_ptr = 0  # the opened allocation's base
         self.device_bytes = None  # torch uint8 tensor over [base, base + offset + byte_size)

@@ -14,7 +14,7 @@ from .cuda import open_cuda
 from .names import (CUDA_IPC_HANDLE_BYTES, DEFAULT_MAX_MAPPED_BYTES, DEFAULT_MAX_REGIONS, KEY_SCOPE_ANY, KEY_SCOPES,
                     SHM_DIR, SYSTEM, RegionExists, RegionNotFound, kinds_of, shown, check_key, check_key_scope,
                     check_name)
-from .access import SystemSlice, shrunk_error
+from .access import SystemSlice, detached_error, shrunk_error
 from .region import Region, RegionInfo, RegionLease
 from .system import open_system
 
@@ -249,7 +249,13 @@ class RegionRegistry:
                 # Checked again by every read and write (access.py): the object may shrink later.
                 size = os.fstat(region.fd).st_size
                 if size < region.object_end:
+                    region.detached = region.detached or region.unpin is not None
                     raise shrunk_error(field, region, size)
+                if region.unpin is not None:  # page-locked: the device's pages may be cut off the object
+                    lo = start - region.map_start
+                    if region.detached or not region.still_attached(lo, lo + need):
+                        region.detached = True
+                        raise detached_error(field, region)
                 mapped = None if region.buf is None else region.buf[offset:offset + need]
                 view = SystemSlice(region, offset, need, field, mapped)
                 span = (region.memory, start, start + need)

@@ -61,12 +61,13 @@ def _map_pinned(region: Region, page_start: int, length: int) -> None:
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if region.writable else 0)
     mapping = mmap.mmap(region.fd, length, mmap.MAP_SHARED, prot, offset=page_start)
     try:
-        unpin = pin(mapping, region.writable, repr(region.name))
+        pinned = pin(mapping, region.writable, repr(region.name))
     except BaseException:
         mapping.close()
         raise
-    if unpin is None:
+    if pinned is None:
         mapping.close()
         return
-    region.mmap, region.unpin = mapping, unpin
+    region.mmap, (region.unpin, region.still_attached) = mapping, pinned
+    region.map_start = page_start
     region.buf = memoryview(mapping)[region.offset - page_start:]
