@@ -1,5 +1,6 @@
-"""Sequences: sampling state the server keeps per sequence (OpenSequences, CloseSequences, and
-``Sample`` by ``sequence_ids``), written once for ``Client`` and ``AsyncClient``.
+"""Sequences: sampling state the server keeps per sequence (OpenSequences, UpdateSequences,
+CloseSequences, and ``Sample`` by ``sequence_ids``), written once for ``Client`` and
+``AsyncClient``.
 
 :class:`SequenceMethods` is a mixin of :class:`~.client._Methods` (it uses ``_simple`` and
 ``sample``). A sequence is opened with its parameters and lists once; each call then names it
@@ -55,6 +56,33 @@ def sequence_spec(id: int, *, logit_bias: Mapping[int, float] | None = None, **f
     return spec
 
 
+_UPDATE_SCALARS = tuple(name for name in _SCALARS if name != "step")
+_UPDATE_LISTS = tuple(name for name in _LISTS if name != "output_token_ids")
+
+
+def sequence_update(id: int, *, logit_bias: Mapping[int, float] | None = None, **fields) -> pb.SequenceUpdate:
+    """A ``SequenceUpdate``: ``id`` and what changes, as :func:`sequence_spec` takes it but for
+    ``step`` and ``output_token_ids`` (the sequence keeps its own). A field left out, or None,
+    is kept; a list given replaces the sequence's (``[]`` empties it), ``logit_bias={}`` too."""
+    update = pb.SequenceUpdate(id=int(id))
+    for name, value in fields.items():
+        if name not in _UPDATE_SCALARS + _UPDATE_LISTS:
+            raise TypeError(f"sequence_update() got an unexpected keyword argument {name!r}")
+        if value is None:
+            continue
+        if name in _UPDATE_SCALARS:
+            setattr(update, name, value)
+        else:
+            getattr(update, name).SetInParent()  # set, even when empty: replaces the list
+            getattr(update, name).ids.extend(_ints(value))
+    if logit_bias is not None:
+        update.logit_bias.SetInParent()
+        for token, bias in logit_bias.items():
+            update.logit_bias.ids.append(int(token))
+            update.logit_bias.values.append(float(bias))
+    return update
+
+
 class Sequences:
     """Open sequences: ``ids`` (in the order opened) and the ``seeds`` they use. A context
     manager (``with`` / ``async with``) that closes them; :meth:`sample` names them all, one row
@@ -89,7 +117,8 @@ class Sequences:
 
 
 class SequenceMethods:
-    """OpenSequences and CloseSequences; sample by ids with ``sample(..., sequence_ids=ids)``."""
+    """OpenSequences, UpdateSequences and CloseSequences; sample by ids with
+    ``sample(..., sequence_ids=ids)``."""
 
     def open_sequences(self, sequences: Iterable, *, timeout=CLIENT_TIMEOUT) -> Sequences:
         """Open ``sequences`` (each a dict of :func:`sequence_spec`'s keywords, ``id`` included,
@@ -100,6 +129,15 @@ class SequenceMethods:
         ids = [s.id for s in specs]
         return self._simple("OpenSequences", pb.OpenSequencesRequest(sequences=specs), pb.OpenSequencesResponse,
                             lambda m: Sequences(self, ids, list(m.seeds)), timeout)
+
+    def update_sequences(self, updates: Iterable, *, timeout=CLIENT_TIMEOUT) -> list[int]:
+        """Change open sequences (each a dict of :func:`sequence_update`'s keywords, ``id``
+        included, or a ``SequenceUpdate``), all or none, keeping their outputs and steps; each
+        one's step (its next Sample's). Errors: NOT_FOUND (an id not open for this caller),
+        INVALID_ARGUMENT naming ``updates[i].<field>``."""
+        request = pb.UpdateSequencesRequest(
+            updates=[u if isinstance(u, pb.SequenceUpdate) else sequence_update(**u) for u in updates])
+        return self._simple("UpdateSequences", request, pb.UpdateSequencesResponse, lambda m: list(m.steps), timeout)
 
     def close_sequences(self, ids, *, timeout=CLIENT_TIMEOUT) -> list[int]:
         """Close this caller's sequences of ``ids``; the ids that were open (others are skipped)."""

@@ -7,11 +7,13 @@ output, logit bias, banned and stop tokens) as tensors on the server's device; t
 is the regions' (server/regions/names.py ``owner_of`` the caller's one ``authorization``
 header), so a bearer token sees only its own sequences, and two tokens may use the same ids.
 
-Threads. The event loop opens, closes and looks sequences up (the table's dict, each
-sequence's ``ended`` and ``last_used``); the launch thread reads a sequence's state and appends
-the drawn token and advances the step (sequences_sample.py). One lock guards the dict, the
-``ended`` marks and the byte count; the step and the output are written only by the launch
-thread, one launch at a time, so the launch reads them without racing a writer. A call holds
+Threads. The event loop opens, closes, updates and looks sequences up (the table's dict, each
+sequence's ``ended``, ``last_used`` and ``state``); the launch thread reads a sequence's state and
+appends the drawn token and advances the step (sequences_sample.py). One lock guards the dict,
+the ``ended`` marks and the byte count; an update replaces a sequence's :class:`SequenceState`
+whole, and a launch reads that reference once, so it draws with the state before the update or
+after it, never a mix. The step and the output are written only by the launch thread, one
+launch at a time, so the launch reads them without racing a writer. A call holds
 its sequences from the lookup on: one closed (or expired) while the call waits for its launch is
 seen ended at the launch, which then answers NOT_FOUND; one closed during its launch is
 appended to and dropped with the call.
@@ -59,30 +61,54 @@ class SequenceParams:
     min_tokens: int = 0
 
 
+def _held_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceState:
+    """What UpdateSequences may change, replaced as a whole: one reference, which a launch
+    reads once, so that it never sees half of an update."""
+
+    params: SequenceParams
+    prompt: torch.Tensor
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+    banned: torch.Tensor
+    stop: torch.Tensor
+    max_ids: dict  # each list's largest token id (-1: none), by attribute name ("prompt", "bias_ids"...)
+
+    @property
+    def max_id(self) -> int:
+        return max(self.max_ids.values(), default=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return _held_bytes((self.prompt, self.bias_ids, self.bias_values, self.banned, self.stop))
+
+
 @dataclass(eq=False)
 class Sequence:
     """One open sequence. ``output`` has room to grow (``output_len`` of it hold tokens)."""
 
     owner: str | None
     id: int
-    params: SequenceParams
+    state: SequenceState
     step: int
-    prompt: torch.Tensor
     output: torch.Tensor
     output_len: int
-    bias_ids: torch.Tensor
-    bias_values: torch.Tensor
-    banned: torch.Tensor
-    stop: torch.Tensor
-    max_id: int  # the largest token id held (-1: none): checked against each call's vocabulary
+    output_max_id: int  # the largest token id of the output (-1: none); the launch thread's
     last_used: float = 0.0
     ended: str | None = None  # why it is no longer open ("closed", "expired"); None while open
     counted: int = 0  # the bytes the table counts for it (its nbytes, but for growth after it ended)
 
     @property
+    def params(self) -> SequenceParams:
+        return self.state.params
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.prompt, self.output, self.bias_ids,
-                                                          self.bias_values, self.banned, self.stop))
+        return self.state.nbytes + _held_bytes((self.output,))
 
     def outputs(self) -> torch.Tensor:
         return self.output[:self.output_len]
@@ -98,7 +124,7 @@ class Sequence:
             self.output = bigger
         self.output[self.output_len:self.output_len + 1] = token
         self.output_len += 1
-        self.max_id = max(self.max_id, value)
+        self.output_max_id = max(self.output_max_id, value)
         return grown
 
 
@@ -136,18 +162,20 @@ class SequenceTable:
         self._bytes -= seq.counted
         return seq
 
-    def open(self, sequences: list[Sequence]) -> None:
+    def open(self, sequences: list[Sequence], id_field=lambda i: f"sequences[{i}].id",
+             what: str = "OpenSequences") -> None:
         """Open ``sequences`` (one caller's, ids distinct), all or none: ``SequenceExists`` for
-        an id the caller has open, ``TooLarge`` past ``max_sequences``."""
+        an id the caller has open, ``TooLarge`` past ``max_sequences``. ``id_field(i)`` and
+        ``what`` name the i-th id and the request in messages (the KServe front's differ)."""
         with self._lock:
             now = self.clock()
             self._sweep(now)
             for i, seq in enumerate(sequences):
                 if (seq.owner, seq.id) in self._open:
-                    raise SequenceExists(f"sequences[{i}].id: sequence {seq.id} is open already; close it first "
+                    raise SequenceExists(f"{id_field(i)}: sequence {seq.id} is open already; close it first "
                                          f"with CloseSequences, or pick another id")
             if len(self._open) + len(sequences) > self.max_sequences:
-                raise TooLarge(f"sequences: {len(sequences)} more would make {len(self._open) + len(sequences)} "
+                raise TooLarge(f"{what}: {len(sequences)} more would make {len(self._open) + len(sequences)} "
                                f"open, past the server's limit (--max-sequences {self.max_sequences}); close some "
                                f"first")
             for seq in sequences:
@@ -166,6 +194,28 @@ class SequenceTable:
                     self._end((owner, seq_id), "closed")
                     closed.append(seq_id)
         return closed
+
+    def update(self, owner: str | None, changes: list, field=lambda i: f"updates[{i}].id") -> list[int]:
+        """``owner``'s sequences given new states: ``changes`` of ``(id, change)``, where
+        ``change(state)`` is the sequence's new SequenceState; all or none (``SequenceNotFound``
+        naming ``field(i)`` of the first id not open). Each sequence's step, in order."""
+        with self._lock:
+            now = self.clock()
+            self._sweep(now)
+            found = []
+            for i, (seq_id, _) in enumerate(changes):
+                seq = self._open.get((owner, seq_id))
+                if seq is None:
+                    raise not_open(field(i), seq_id)
+                found.append(seq)
+            for seq, (_, change) in zip(found, changes):
+                old = seq.state.nbytes
+                seq.state = change(seq.state)
+                seq.counted += seq.state.nbytes - old
+                self._bytes += seq.state.nbytes - old
+                self._open.move_to_end((owner, seq.id))
+                seq.last_used = now
+            return [seq.step for seq in found]
 
     def lookup(self, owner: str | None, ids, field: str = "sequence_ids") -> list[Sequence]:
         """``owner``'s open sequences of ``ids`` (a Sample's rows, each named once), marked used

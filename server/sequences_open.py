@@ -7,7 +7,9 @@ too for a float; token ids >= 0; bias values finite in float32), plus: token ids
 sequence holds), bias values one per bias id, ids distinct within the request. A broken rule is
 a ``ValueError`` naming ``sequences[i].<field>`` and the rule (INVALID_ARGUMENT). A prompt can
 be long: the whole request is checked and copied on a worker thread, in bulk (numpy and torch
-reductions, never a loop over a list's elements), off the event loop.
+reductions, never a loop over a list's elements), off the event loop. ``open_specs`` is the one
+open path (the KServe front's sequence_start opens through it too); the checks are
+UpdateSequences' as well (sequences_update.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from logitserve.kernels.sampling.params import (FREQUENCY_PENALTY, MIN_P, MIN_TO
 from logitserve.v1 import logitserve_pb2 as pb
 
 from .errors import TooLarge
-from .sequences import Sequence, SequenceParams, SequenceTable
+from .sequences import Sequence, SequenceParams, SequenceState, SequenceTable
 
 # The parameters a SequenceSpec may set, in the order they are checked.
 _PARAMS = (TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, REPETITION_PENALTY, FREQUENCY_PENALTY, PRESENCE_PENALTY,
@@ -31,9 +33,13 @@ _PARAMS = (TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, REPETITION_PENALTY, FREQUENCY
 # Room left above a sequence's first step for the steps to come (the kernels take steps < 2**63).
 MAX_FIRST_STEP = 1 << 62
 _LISTS = ("prompt_token_ids", "output_token_ids", "logit_bias_ids", "banned_token_ids", "stop_token_ids")
+# SequenceSpec's lists that a SequenceState holds -> its attribute.
+STATE_LISTS = {"prompt_token_ids": "prompt", "logit_bias_ids": "bias_ids", "banned_token_ids": "banned",
+               "stop_token_ids": "stop"}
 
 
-def _param(spec: pb.SequenceSpec, param, path: str):
+def check_param(spec, param, path: str):
+    """``spec``'s value of ``param`` (its default when unset), by the kernels' rule."""
     if not spec.HasField(param.name):
         return param.default
     value = getattr(spec, param.name)
@@ -48,65 +54,80 @@ def _param(spec: pb.SequenceSpec, param, path: str):
     return value
 
 
-def _ids(spec: pb.SequenceSpec, name: str, path: str, max_vocab: int) -> np.ndarray:
-    """A list field as int64, each id in [0, max_vocab) (checked in bulk)."""
-    ids = np.asarray(getattr(spec, name), dtype=np.int64)
+def check_ids(values, name: str, max_vocab: int) -> np.ndarray:
+    """A list field's ``values`` as int64, each id in [0, max_vocab) (checked in bulk)."""
+    ids = np.asarray(values, dtype=np.int64)
     bad = (ids < 0) | (ids >= max_vocab)
     if bad.any():
         i = int(bad.argmax())
-        raise ValueError(f"{path}{name}[{i}]: must be a token id in [0, {max_vocab}) (--max-vocab), got {ids[i]}")
+        raise ValueError(f"{name}[{i}]: must be a token id in [0, {max_vocab}) (--max-vocab), got {ids[i]}")
     return ids
 
 
-def sequence_of(spec: pb.SequenceSpec, path: str, owner: str | None, device: torch.device,
-                max_vocab: int) -> Sequence:
-    """One SequenceSpec checked, its lists on ``device``; ``ValueError`` naming the field."""
-    values = {p.name: _param(spec, p, path) for p in _PARAMS}
-    if values["seed"] is None:
-        values["seed"] = secrets.randbits(SEED_BITS)
-    step = spec.step if spec.HasField("step") else STEP.default
-    if not 0 <= step < MAX_FIRST_STEP:
-        raise ValueError(f"{path}step: must be in [0, 2**62) (room for the steps to come), got {step}")
-    lists = {name: _ids(spec, name, path, max_vocab) for name in _LISTS}
-    bias = np.asarray(spec.logit_bias_values, dtype=np.float64)
-    if bias.shape[0] != lists["logit_bias_ids"].shape[0]:
-        raise ValueError(f"{path}logit_bias_values: must have one value per logit_bias_ids entry "
-                         f"({lists['logit_bias_ids'].shape[0]}), got {bias.shape[0]}")
+def check_bias(values, count: int, name: str, ids_name: str) -> np.ndarray:
+    """Logit bias ``values`` as float32: one per id (``count`` of ``ids_name``), each finite."""
+    bias = np.asarray(values, dtype=np.float64)
+    if bias.shape[0] != count:
+        raise ValueError(f"{name}: must have one value per {ids_name} entry ({count}), got {bias.shape[0]}")
     with np.errstate(over="ignore"):
         bias32 = bias.astype(np.float32)
     bad = ~np.isfinite(bias32)
     if bad.any():
         i = int(bad.argmax())
-        raise ValueError(f"{path}logit_bias_values[{i}]: must be finite in float32, got {bias[i]}")
-    held = [ids for ids in lists.values() if ids.size]
+        raise ValueError(f"{name}[{i}]: must be finite in float32, got {bias[i]}")
+    return bias32
+
+
+def max_id(ids: np.ndarray) -> int:
+    return int(ids.max()) if ids.size else -1
+
+
+def sequence_of(spec: pb.SequenceSpec, path: str, owner: str | None, device: torch.device,
+                max_vocab: int) -> Sequence:
+    """One SequenceSpec checked, its lists on ``device``; ``ValueError`` naming the field."""
+    values = {p.name: check_param(spec, p, path) for p in _PARAMS}
+    if values["seed"] is None:
+        values["seed"] = secrets.randbits(SEED_BITS)
+    step = spec.step if spec.HasField("step") else STEP.default
+    if not 0 <= step < MAX_FIRST_STEP:
+        raise ValueError(f"{path}step: must be in [0, 2**62) (room for the steps to come), got {step}")
+    lists = {name: check_ids(getattr(spec, name), f"{path}{name}", max_vocab) for name in _LISTS}
+    bias = check_bias(spec.logit_bias_values, lists["logit_bias_ids"].shape[0], f"{path}logit_bias_values",
+                      "logit_bias_ids")
+    output = lists.pop("output_token_ids")
     on = {name: torch.from_numpy(ids).to(device) for name, ids in lists.items()}
-    return Sequence(owner=owner, id=spec.id, params=SequenceParams(**values), step=step,
-                    prompt=on["prompt_token_ids"], output=on["output_token_ids"],
-                    output_len=int(lists["output_token_ids"].shape[0]), bias_ids=on["logit_bias_ids"],
-                    bias_values=torch.from_numpy(bias32).to(device), banned=on["banned_token_ids"],
-                    stop=on["stop_token_ids"], max_id=max((int(ids.max()) for ids in held), default=-1))
+    state = SequenceState(params=SequenceParams(**values), prompt=on["prompt_token_ids"],
+                          bias_ids=on["logit_bias_ids"], bias_values=torch.from_numpy(bias).to(device),
+                          banned=on["banned_token_ids"], stop=on["stop_token_ids"],
+                          max_ids={attr: max_id(lists[name]) for name, attr in STATE_LISTS.items()})
+    return Sequence(owner=owner, id=spec.id, state=state, step=step, output=torch.from_numpy(output).to(device),
+                    output_len=int(output.shape[0]), output_max_id=max_id(output))
 
 
-def sequences_of(request: pb.OpenSequencesRequest, owner: str | None, device: torch.device,
-                 max_vocab: int) -> list[Sequence]:
-    """Every sequence of ``request``, checked (ids distinct within it)."""
+async def open_specs(table: SequenceTable, specs: list, owner: str | None, max_vocab: int, *,
+                     what: str = "OpenSequences", path=lambda i: f"sequences[{i}].",
+                     id_field=lambda i: f"sequences[{i}].id") -> list[Sequence]:
+    """``specs`` (SequenceSpecs, ids distinct) checked and copied off the loop, then opened, all
+    or none: the one open path of both fronts. ``what`` names the request, ``path(i)`` the i-th
+    spec's fields and ``id_field(i)`` its id in messages (the KServe front's differ)."""
+    if table.max_sequences == 0:
+        raise TooLarge(f"{what}: this server keeps no sequences (--max-sequences 0); send each row's parameters "
+                       f"and lists with Sample instead")
+    sequences = await asyncio.to_thread(
+        lambda: [sequence_of(spec, path(i), owner, table.device, max_vocab) for i, spec in enumerate(specs)])
+    table.open(sequences, id_field, what)
+    return sequences
+
+
+async def open_sequences(table: SequenceTable, request: pb.OpenSequencesRequest, owner: str | None,
+                         max_vocab: int) -> pb.OpenSequencesResponse:
+    """The OpenSequences handler's work."""
     first: dict[int, int] = {}
     for i, spec in enumerate(request.sequences):
         if first.setdefault(spec.id, i) != i:
             raise ValueError(f"sequences[{i}].id: {spec.id} appears twice in this request (also sequences"
                              f"[{first[spec.id]}])")
-    return [sequence_of(spec, f"sequences[{i}].", owner, device, max_vocab)
-            for i, spec in enumerate(request.sequences)]
-
-
-async def open_sequences(table: SequenceTable, request: pb.OpenSequencesRequest, owner: str | None,
-                         max_vocab: int) -> pb.OpenSequencesResponse:
-    """The OpenSequences handler's work: checked and copied off the loop, then opened."""
-    if table.max_sequences == 0:
-        raise TooLarge("OpenSequences: this server keeps no sequences (--max-sequences 0); send each row's "
-                         "parameters and lists with Sample instead")
-    sequences = await asyncio.to_thread(sequences_of, request, owner, table.device, max_vocab)
-    table.open(sequences)
+    sequences = await open_specs(table, list(request.sequences), owner, max_vocab)
     return pb.OpenSequencesResponse(seeds=[s.params.seed for s in sequences])
 
 

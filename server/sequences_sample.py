@@ -7,7 +7,9 @@ On the event loop (``SampleCall.from_pb``, through :meth:`SequenceLookup.rows`):
 row, none twice, every one an open sequence of the caller, the fields the state replaces
 unset, each sequence's tokens below the call's vocabulary. On the launch thread
 (:meth:`SequenceRows.launch`): the sequences still open (one closed or expired while the call
-waited: NOT_FOUND), the rows' parameters packed into the call as if sent per row, and the
+waited: NOT_FOUND), each one's state read once (UpdateSequences replaces it whole: an update
+made while the call waited applies), the rows' parameters packed into the call as if sent per
+row, and the
 lists as the kernels' ragged keywords (ids concatenated on the device, ``[B + 1]`` offsets),
 so that the answer equals a call without sequence ids that sends the same values and lists.
 Only the features some row uses are passed: a list no row holds, or penalties all off, are left
@@ -28,7 +30,7 @@ import torch
 from logitserve.kernels.sampling.params import MIN_TOKENS, PENALTY_PARAMS, RAGGED_LISTS, SAMPLING_PARAMS
 
 from .regions_servicer import caller
-from .sequences import Sequence, SequenceTable
+from .sequences import Sequence, SequenceState, SequenceTable
 
 # The SampleRequest fields a sequence's state replaces: with sequence_ids they must be unset.
 REPLACED = (*(f for p in (*SAMPLING_PARAMS.values(), *PENALTY_PARAMS.values(), MIN_TOKENS)
@@ -43,10 +45,12 @@ def _ragged(parts: list[torch.Tensor], device: torch.device) -> tuple[torch.Tens
     return torch.cat(parts), offsets.to(device)
 
 
-def _check_vocab(sequences: list[Sequence], vocab: int, path: str) -> None:
-    for row, seq in enumerate(sequences):
-        if seq.max_id >= vocab:
-            raise ValueError(f"{path}sequence_ids[{row}]: sequence {seq.id} holds token id {seq.max_id}, not below "
+def _check_vocab(sequences: list[Sequence], states: list[SequenceState], vocab: int, path: str) -> None:
+    """Each sequence's token ids (its output's, and its lists' as ``states`` hold them) below ``vocab``."""
+    for row, (seq, state) in enumerate(zip(sequences, states)):
+        held = max(state.max_id, seq.output_max_id)
+        if held >= vocab:
+            raise ValueError(f"{path}sequence_ids[{row}]: sequence {seq.id} holds token id {held}, not below "
                              f"this call's vocabulary ({vocab} logits a row)")
 
 
@@ -59,33 +63,34 @@ class SequenceRows:
     vocab: int
     path: str
 
-    def params(self) -> dict[str, list]:
-        """The rows' sampling parameters, as per-row values (``SampleCall.use_params``)."""
-        rows = [seq.params for seq in self.sequences]
+    def params(self, states: list[SequenceState]) -> dict[str, list]:
+        """The rows' sampling parameters (``states``: theirs, read once), as per-row values
+        (``SampleCall.use_params``)."""
+        rows = [state.params for state in states]
         return {"temperature": [p.temperature for p in rows], "top_k": [p.top_k for p in rows],
                 "top_p": [p.top_p for p in rows], "min_p": [p.min_p for p in rows],
                 "seed": [p.seed for p in rows], "step": [seq.step for seq in self.sequences]}
 
-    def processors(self, device: torch.device) -> dict:
-        """The kernels' processor keywords of the rows' state, on ``device``."""
+    def processors(self, states: list[SequenceState], device: torch.device) -> dict:
+        """The kernels' processor keywords of the rows' state (``states``, read once), on ``device``."""
         seqs, kw = self.sequences, {}
-        params = [seq.params for seq in seqs]
+        params = [state.params for state in states]
         penalties = any(getattr(p, name) != PENALTY_PARAMS[name].off for p in params for name in _PENALTIES)
-        stops = any(p.min_tokens > 0 for p in params) and any(seq.stop.numel() for seq in seqs)
+        stops = any(p.min_tokens > 0 for p in params) and any(state.stop.numel() for state in states)
         if penalties:
             for name in _PENALTIES:
                 kw[name] = torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
-            kw["prompt_token_ids"], kw["prompt_offsets"] = _ragged([seq.prompt for seq in seqs], device)
+            kw["prompt_token_ids"], kw["prompt_offsets"] = _ragged([state.prompt for state in states], device)
         if penalties or stops:
             kw["output_token_ids"], kw["output_offsets"] = _ragged([seq.outputs() for seq in seqs], device)
         if stops:
             kw["min_tokens"] = torch.tensor([p.min_tokens for p in params], dtype=torch.int64, device=device)
-            kw["stop_token_ids"], kw["stop_offsets"] = _ragged([seq.stop for seq in seqs], device)
-        if any(seq.bias_ids.numel() for seq in seqs):
-            kw["logit_bias_ids"], kw["logit_bias_offsets"] = _ragged([seq.bias_ids for seq in seqs], device)
-            kw["logit_bias_values"] = torch.cat([seq.bias_values for seq in seqs])
-        if any(seq.banned.numel() for seq in seqs):
-            kw["banned_token_ids"], kw["banned_offsets"] = _ragged([seq.banned for seq in seqs], device)
+            kw["stop_token_ids"], kw["stop_offsets"] = _ragged([state.stop for state in states], device)
+        if any(state.bias_ids.numel() for state in states):
+            kw["logit_bias_ids"], kw["logit_bias_offsets"] = _ragged([state.bias_ids for state in states], device)
+            kw["logit_bias_values"] = torch.cat([state.bias_values for state in states])
+        if any(state.banned.numel() for state in states):
+            kw["banned_token_ids"], kw["banned_offsets"] = _ragged([state.banned for state in states], device)
         return kw
 
     def launch(self, call, handle, names, launch_processed: Callable) -> tuple:
@@ -93,9 +98,11 @@ class SequenceRows:
         sequences' state by ``launch_processed``; then each row's token appended, its step
         advanced. Returns what ``launch_processed`` does."""
         self.table.check_open(self.sequences, self.path + "sequence_ids")
-        _check_vocab(self.sequences, self.vocab, self.path)  # again: a call meanwhile may have appended
-        call.use_params(self.params())
-        call.processors = {**(call.processors or {}), **self.processors(handle.device)}
+        states = [seq.state for seq in self.sequences]  # once: an update replaces it whole
+        # Again: a call meanwhile may have appended, an update have given longer lists.
+        _check_vocab(self.sequences, states, self.vocab, self.path)
+        call.use_params(self.params(states))
+        call.processors = {**(call.processors or {}), **self.processors(states, handle.device)}
         tokens, logprobs = launch_processed(call, handle, names)
         if tokens.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # to_host's copy: the values are read here
@@ -126,7 +133,7 @@ class SequenceLookup:
         for field in REPLACED:
             if msg.HasField(field):
                 raise ValueError(f"{path}{field}: must be unset with sequence_ids (each row's sequence holds its "
-                                 f"parameters and lists; change them by reopening it)")
+                                 f"parameters and lists; change them with UpdateSequences)")
         sequences = self.table.lookup(caller(self.context), ids, name)
-        _check_vocab(sequences, vocab, path)
+        _check_vocab(sequences, [seq.state for seq in sequences], vocab, path)
         return SequenceRows(self.table, sequences, vocab, path)

@@ -28,6 +28,7 @@ from .regions import CallRegions
 from .regions_servicer import caller
 from .sequences_open import close_sequences, open_sequences
 from .sequences_sample import SequenceLookup
+from .sequences_update import update_sequences
 from .wire import InPlaceReader, Received
 
 SERVICE = pb.DESCRIPTOR.services_by_name["LogitServe"]
@@ -180,6 +181,10 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
 
     async def CloseSequences(self, request, context):
         return close_sequences(self._service.sequences, request, caller(context))
+
+    async def UpdateSequences(self, request, context):
+        return await update_sequences(self._service.sequences, request, caller(context),
+                                      self._service.config.max_vocab)
 
     async def GetServerInfo(self, request, context):
         return self._service.info().to_pb()

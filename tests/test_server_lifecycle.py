@@ -110,7 +110,7 @@ def test_reflection_lists_the_services():
         service = DescriptorPool(db).FindServiceByName(SERVICE)
         assert {m.name for m in service.methods} == {"Sample", "RouteExperts", "Softmax", "CausalSoftmax", "Silu",
                                                      "VerifyDraft", "Step", "StreamSteps", "GetServerInfo",
-                                                     "OpenSequences", "CloseSequences"}
+                                                     "OpenSequences", "CloseSequences", "UpdateSequences"}
 
 
 # ----------------------------------------------------------------------------------------- TLS

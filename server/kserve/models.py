@@ -73,6 +73,9 @@ class Model:
     # (input sizes {field: (itemsize, shape)}, scalar fields set) -> each output field's bytes;
     # used to take an output region's byte_size as a capacity (raises on shapes that disagree).
     output_bytes: Callable | None = None
+    # Whether it takes Triton's sequence parameters (sequence_id, sequence_start, sequence_end:
+    # kserve/sequences.py): the operator samples by a sequence the server holds.
+    sequences: bool = False
 
     def input(self, name: str) -> Port | None:
         return next((p for p in self.inputs if p.name == name), None)
@@ -160,7 +163,7 @@ MODELS: dict[str, Model] = {m.name: m for m in (
           (Port("LOGITS", "logits", "FP32", (-1, -1), FLOAT_TYPES), *_SAMPLE_INPUTS),
           (Port("TOKEN_IDS", "token_ids", "INT64", (-1,)), Port("SEEDS", "seeds", "INT64", (-1,)),
            Port("VALID", "valid", "BOOL", (-1,))),
-          _SAMPLE_PARAMS, "the next token of every row of LOGITS [B, V]", _sample_bytes),
+          _SAMPLE_PARAMS, "the next token of every row of LOGITS [B, V]", _sample_bytes, sequences=True),
     Model("route_experts", "RouteExperts", pb.RouteExpertsRequest, ops.RouteExpertsCall,
           (Port("GATE_LOGITS", "gate_logits", "FP32", (-1, -1), ("FP16", "BF16", "FP32")),),
           (Port("WEIGHTS", "weights", "FP32", (-1, -1)), Port("INDICES", "indices", "INT32", (-1, -1))),

@@ -1,7 +1,7 @@
 """The ``inference.GRPCInferenceService`` handlers (KServe v2 with Triton's extensions), beside
 ``logitserve.v1`` on the same server: the same guard (auth, draining, status codes, metrics, log
 line), the same validation (each operator's ``from_pb``, through translate.py), the same
-batcher, limits and shared-memory registry.
+batcher, limits, shared-memory registry and sequences (sequences.py).
 
 Wiring, in ``Service.__init__`` (``guarded`` the GuardedRegistrar, made with
 :func:`request_parsers` among its parsers)::
@@ -37,6 +37,7 @@ from ..regions import CUDA, SYSTEM, CallRegions, RegionNotFound
 from ..regions_servicer import caller
 from . import translate
 from .models import MODELS, PLATFORM, VERSION
+from .sequences import sequence_of
 
 SERVICE = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 SERVICE_NAME = SERVICE.full_name
@@ -185,20 +186,22 @@ class InferenceServicer(kpb_grpc.GRPCInferenceServiceServicer):
             job = translate.to_v1(model, request, received.raw)
             if regions is not None:
                 translate.check_capacities(job, lambda name: _region_bytes(registry, name, regions.owner))
-            try:
-                call = model.call.from_pb(job.message, service.limits, in_place=job.in_place, regions=regions)
-            except translate.RENAMED as exc:
-                raise translate.renamed(exc, job.names) from None
-            note_rows(call.rows)
-            # The operator's answer size: the KServe answer carries the same tensors, its framing
-            # (output names, datatypes) differing by tens of bytes.
-            if held is None:
-                service.held.hold_until_done(context, call.answer_size)
-            else:
-                held.append(service.held.hold(context.peer() or "", call.answer_size))
-            result = await service.batcher.submit(call, timeout=context.time_remaining())
-            # Builds the answer (writing outputs into system regions) before the leases go.
-            response = translate.to_kserve(model, request.id, result.to_pb(), job.outputs, response)
+            async with sequence_of(job, service, context) as options:
+                try:
+                    call = model.call.from_pb(job.message, service.limits, in_place=job.in_place, regions=regions,
+                                              **options)
+                except translate.RENAMED as exc:
+                    raise translate.renamed(exc, job.names) from None
+                note_rows(call.rows)
+                # The operator's answer size: the KServe answer carries the same tensors, its framing
+                # (output names, datatypes) differing by tens of bytes.
+                if held is None:
+                    service.held.hold_until_done(context, call.answer_size)
+                else:
+                    held.append(service.held.hold(context.peer() or "", call.answer_size))
+                result = await service.batcher.submit(call, timeout=context.time_remaining())
+                # Builds the answer (writing outputs into system regions) before the leases go.
+                response = translate.to_kserve(model, request.id, result.to_pb(), job.outputs, response)
             ok = True
             return response
         finally:

@@ -28,10 +28,11 @@ from ..errors import NotFound, TooLarge
 from ..regions import RegionNotFound
 from ..wire import LEN, NotPlain, read_varint
 from .models import DATATYPE_NAMES, DATATYPES, ITEMSIZES, MODELS, VERSION, Model
+from .sequence_params import SEQUENCE_PARAMS, SequenceParams, sequence_params
 
-# Request parameters Triton's clients may send that mean nothing here: ignored.
-IGNORED_PARAMS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
-                            "triton_enable_empty_final_response", "binary_data_output"})
+# Request parameters Triton's clients may send that mean nothing here: ignored. (Triton's
+# sequence parameters are read by sequence_params.py.)
+IGNORED_PARAMS = frozenset({"priority", "timeout", "triton_enable_empty_final_response", "binary_data_output"})
 SHM_REGION, SHM_OFFSET, SHM_BYTES = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
 # Each datatype's typed contents field and numpy dtype.
 _CONTENTS = {"BOOL": ("bool_contents", np.bool_), "INT32": ("int_contents", np.int32),
@@ -67,6 +68,9 @@ class Translated:
     # Output slices as given (KServe name -> RegionRef) whose byte_size, a capacity, was cut to
     # the output's bytes in ``message``: :func:`check_capacities` holds them to their regions.
     capacities: dict
+    # Triton's sequence parameters of the request (sequence_params.py; sequences.py acts on
+    # them), None without them.
+    sequence: SequenceParams | None = None
 
 
 def _param_value(param, value: kpb.InferParameter, what: str):
@@ -169,9 +173,12 @@ def to_v1(model: Model, request: kpb.ModelInferRequest, raw: list) -> Translated
             raise ValueError(f"input {port.name}: required (model {model.name!r} takes "
                              f"{', '.join(p.name for p in model.inputs)})")
     scalars = {}
+    sequence = sequence_params(model, request.parameters)
     for key, value in request.parameters.items():
         param = model.param(key)
         if param is None:
+            if key in SEQUENCE_PARAMS:
+                continue
             if key in IGNORED_PARAMS:
                 continue
             raise ValueError(f"parameter {key!r}: not a parameter of model {model.name!r} "
@@ -186,7 +193,7 @@ def to_v1(model: Model, request: kpb.ModelInferRequest, raw: list) -> Translated
     outputs = _outputs(model, request, message, sizes, scalars, capacities)
     for port in model.outputs:
         names.setdefault(port.field, port.name)
-    return Translated(model, message, in_place, outputs, names, capacities)
+    return Translated(model, message, in_place, outputs, names, capacities, sequence)
 
 
 def _outputs(model: Model, request, message, sizes, scalars, capacities: dict) -> list[str]:

@@ -458,6 +458,64 @@ class CloseSequencesResponse(_message.Message):
     closed_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, closed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LogitBias(_message.Message):
+    __slots__ = ("ids", "values")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SequenceUpdate(_message.Message):
+    __slots__ = ("id", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "prompt_token_ids", "logit_bias", "banned_token_ids", "min_tokens", "stop_token_ids")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    BANNED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    prompt_token_ids: TokenIds
+    logit_bias: LogitBias
+    banned_token_ids: TokenIds
+    min_tokens: int
+    stop_token_ids: TokenIds
+    def __init__(self, id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., logit_bias: _Optional[_Union[LogitBias, _Mapping]] = ..., banned_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class UpdateSequencesRequest(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ...) -> None: ...
+
+class UpdateSequencesResponse(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, steps: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -96,6 +96,11 @@ class LogitServeStub:
                 request_serializer=logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesRequest.SerializeToString,
                 response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesResponse.FromString,
                 _registered_method=True)
+        self.UpdateSequences = channel.unary_unary(
+                '/logitserve.v1.LogitServe/UpdateSequences',
+                request_serializer=logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesRequest.SerializeToString,
+                response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesResponse.FromString,
+                _registered_method=True)
 
 
 class LogitServeServicer:
@@ -191,6 +196,15 @@ class LogitServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateSequences(self, request, context):
+        """Changes open sequences' sampling parameters, seed, penalties, min_tokens, prompt, logit bias,
+        banned and stop tokens; each keeps its output and step. All or none of a request's updates
+        apply. Adds NOT_FOUND (an id this caller has no open sequence of).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LogitServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -248,6 +262,11 @@ def add_LogitServeServicer_to_server(servicer, server):
                     servicer.CloseSequences,
                     request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesRequest.FromString,
                     response_serializer=logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesResponse.SerializeToString,
+            ),
+            'UpdateSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateSequences,
+                    request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesRequest.FromString,
+                    response_serializer=logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -554,6 +573,33 @@ class LogitServe:
             '/logitserve.v1.LogitServe/CloseSequences',
             logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesRequest.SerializeToString,
             logitserve_dot_v1_dot_logitserve__pb2.CloseSequencesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logitserve.v1.LogitServe/UpdateSequences',
+            logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesRequest.SerializeToString,
+            logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,
