@@ -17,6 +17,7 @@ How a launch waits for the device is decided here, in :meth:`Batcher.wait_for`.
 from __future__ import annotations
 
 import asyncio
+import traceback
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -25,6 +26,24 @@ from .errors import DeadlineExpired, Draining, QueueFull
 from .logs import get_logger, log_event
 
 log = get_logger("batcher")
+
+
+def _cut_loose(exc: BaseException) -> BaseException:
+    """``exc``, which a launch raised, with the locals of the frames it came through dropped
+    (their names and lines stay, for the fault's log line).
+
+    Those frames hold the launch's calls (their tensors, the request bytes they view) and the
+    device's future of the launch, which holds ``exc``: a reference cycle, freed only by a
+    garbage collection unless ``exc`` reaches a handler, whose guard cuts it (guard.let_go). A
+    batch's failure reaches none (its calls are retried alone): every call of a batch that ran
+    out of device memory stayed until the next collection, answered OK or not. Cut here, a
+    launch's calls are freed by reference counting as their handlers return."""
+    chain = [exc]
+    while chain:
+        link = chain.pop()
+        traceback.clear_frames(link.__traceback__)  # the frame running this is skipped
+        chain += [e for e in (link.__cause__, link.__context__) if e is not None]
+    return exc
 
 
 @dataclass(eq=False)
@@ -190,19 +209,25 @@ class Batcher:
         self._count_launch(calls, queue_seconds=[start - p.enqueued for p in batch])
         try:
             results = await self.handle.run_batch(calls, self.wait_for(calls))
-        except Exception as exc:  # noqa: BLE001 - handed to the calls, or isolated below
-            if len(batch) == 1:
-                self._resolve(batch[0], exc=exc)
-                if self.on_failure is not None:
-                    await self.on_failure(exc)
-                return
-            log_event(log, "batch failed, retrying calls alone", op=calls[0].op, calls=len(batch), error=repr(exc))
-            for p in batch:
-                if not p.future.done():  # a call whose client left meanwhile is not launched again
-                    await self._launch([p], loop)
+        except Exception as exc:  # noqa: BLE001 - handed to the call, or the calls retried alone
+            failure = _cut_loose(exc)
+        else:
+            for p, result in zip(batch, results):
+                self._resolve(p, result=result)
             return
-        for p, result in zip(batch, results):
-            self._resolve(p, result=result)
+        if len(batch) == 1:
+            # This frame is in the failure's traceback, which the call's future keeps until it is
+            # read: the call must not stay reachable from it (see _cut_loose).
+            del calls
+            self._resolve(batch.pop(), exc=failure)
+            if self.on_failure is not None:
+                await self.on_failure(failure)
+            return
+        log_event(log, "batch failed, retrying calls alone", op=calls[0].op, calls=len(batch), error=repr(failure))
+        del failure  # no call's error (each gets its own, alone): freed here, and its frames with it
+        for p in batch:
+            if not p.future.done():  # a call whose client left meanwhile is not launched again
+                await self._launch([p], loop)
 
     @staticmethod
     def _resolve(pending: _Pending, *, result=None, exc: BaseException | None = None) -> None:

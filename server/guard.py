@@ -18,7 +18,7 @@ Status codes (the one place they are decided), by exception:
 - :class:`~.errors.DeadlineExpired`, ``asyncio.TimeoutError``: DEADLINE_EXCEEDED;
 - :class:`~.errors.Draining`: UNAVAILABLE;
 - :class:`~.errors.Unauthenticated`: UNAUTHENTICATED;
-- ``asyncio.CancelledError``: CANCELLED (the client left; re-raised);
+- ``asyncio.CancelledError``, a stream's ``GeneratorExit``: CANCELLED (the client left; re-raised);
 - anything else (a device fault): INTERNAL; that call fails, the server goes on.
 """
 
@@ -274,7 +274,7 @@ class Guard:
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - mapped to a status, never lost
                     await ended_by(exc, record, context)
                 finally:
-                    self._finish(record, t0)
+                    self._finish(record, t0, asyncio.current_task())
             wrapped.serializes = not writes
             return wrapped
 
@@ -287,16 +287,22 @@ class Guard:
             async def wrapped(request, context):
                 t0 = time.perf_counter()
                 record, metadata, pairs = admit(context)
+                task = asyncio.current_task()
                 try:
                     async for response in behaviour(check(metadata, pairs, request, parse), context):
                         # The message let go as it is serialized: while the answer waits
                         # for the client to read it, only its bytes are held (server/held.py).
                         response = self._sendable(response, serialize)
                         yield response
+                except GeneratorExit:
+                    # The client left while an answer waited here: gRPC cancelled its task (which
+                    # was writing) and closes this generator later, from another task. CANCELLED.
+                    record.code = grpc.StatusCode.CANCELLED
+                    raise
                 except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - as in unary
                     await ended_by(exc, record, context)
                 finally:
-                    self._finish(record, t0)
+                    self._finish(record, t0, task)
             wrapped.serializes = True
             return wrapped
 
@@ -331,11 +337,11 @@ class Guard:
         """Calls admitted and not finished (health checks aside)."""
         return len(self._tasks)
 
-    def _finish(self, record: CallRecord, t0: float) -> None:
+    def _finish(self, record: CallRecord, t0: float, task: asyncio.Task) -> None:
         if record.counted:
             if self._occupancy is not None:
                 self._occupancy.leave()
-            self._tasks.discard(asyncio.current_task())
+            self._tasks.discard(task)
         # Metrics and the log line wait for the loop's next turn: the answer is on its way by then
         # (gRPC sends it as the handler returns), and the caller does not wait for them.
         asyncio.get_running_loop().call_soon(self._report, record, time.perf_counter() - t0)
