@@ -90,8 +90,8 @@ class _Methods(RegionMethods, sequences.SequenceMethods):
         return self._call(rpc, msg.SerializeToString(), timeout, parse_as(response_type, convert, after), on_error)
 
     def _step_bytes(self, step, pending: collections.deque, named: Registrations | None = None) -> bytes:
-        """One step of a stream as bytes; its ``out=`` outputs queued for its answer, the
-        registrations it names added to ``named`` (when given)."""
+        """One step of a stream as bytes; the reader of its answer (with its ``out=`` outputs)
+        queued, the registrations it names added to ``named`` (when given)."""
         enc = self._encoder()
         stream = step.get("stream") if isinstance(step, dict) else None
         msg = enc.given(step) if isinstance(step, pb.StepRequest) else \
@@ -99,7 +99,7 @@ class _Methods(RegionMethods, sequences.SequenceMethods):
         synchronize(enc.cuda_devices, stream)
         if named is not None:
             named.update(enc.referenced)
-        pending.append(enc.outputs)
+        pending.append(results.reader(pb.StepResponse, results.step_read(msg), enc.outputs))
         return enc.serialize(msg)
 
     # ------------------------------------------------------------------------------ operators
@@ -217,11 +217,11 @@ class _Methods(RegionMethods, sequences.SequenceMethods):
              silu=None, swiglu=None, stream=None, timeout=CLIENT_TIMEOUT) -> StepResult:
         """Several operators in one round trip; each argument is a dict of that method's arguments,
         ``out`` included, e.g. ``step(sample={"logits": x, "top_p": 0.9}, route_experts={"gate_logits": g, "k": 2})``.
-        Returns a :class:`StepResult` whose fields hold what each method returns."""
+        Returns a :class:`StepResult` whose fields hold what each method returns, by the names asked."""
         enc = self._encoder()
         msg = messages.build_step(enc, id, sample=sample, route_experts=route_experts, softmax=softmax,
                                   causal_softmax=causal_softmax, silu=silu, swiglu=swiglu)
-        return self._send("Step", enc, msg, pb.StepResponse, results.step_result, timeout, stream)
+        return self._send("Step", enc, msg, pb.StepResponse, results.step_read(msg), timeout, stream)
 
     def server_info(self, *, timeout=CLIENT_TIMEOUT) -> ServerInfo:
         """The server's version, device, backend, dtypes, limits and counters."""
@@ -293,7 +293,7 @@ class Client(_Methods):
                                             metadata=self._metadata)
         try:
             for raw in call:
-                yield results.reader(pb.StepResponse, results.step_result, pending.popleft())(raw)
+                yield pending.popleft()(raw)
         except grpc.RpcError as exc:
             raise self._region_error(LogitServeError.from_rpc_error(exc), named) from None
         finally:
@@ -376,7 +376,7 @@ class AsyncClient(_Methods):
         call = self._methods["StreamSteps"](requests(), timeout=remaining, metadata=self._metadata)
         try:
             async for raw in call:
-                yield results.reader(pb.StepResponse, results.step_result, pending.popleft())(raw)
+                yield pending.popleft()(raw)
         except grpc.RpcError as exc:
             raise self._region_error(LogitServeError.from_rpc_error(exc), named) from None
         finally:

@@ -59,7 +59,8 @@ class StepResult:
     route_experts: tuple[np.ndarray, np.ndarray] | None = None  # (weights, indices)
     softmax: np.ndarray | None = None
     causal_softmax: np.ndarray | None = None
-    silu: np.ndarray | None = None  # silu(x), or swiglu(gate, up)
+    silu: np.ndarray | None = None  # silu(x), where the step asked silu=
+    swiglu: np.ndarray | None = None  # silu(gate) * up, where the step asked swiglu=
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,9 @@ def tensor_result(msg, views: Views = _NONE, outputs=_NONE, path: wire.Path = ()
     return _tensor(msg.out, (*path, "out"), views, outputs)
 
 
-def step_result(msg: pb.StepResponse, views: Views = _NONE, outputs=_NONE) -> StepResult:
+def step_result(msg: pb.StepResponse, views: Views = _NONE, outputs=_NONE, swiglu: bool = False) -> StepResult:
+    """``swiglu``: the step asked ``swiglu=``, whose answer shares the ``silu`` slot on the wire
+    and is read as ``.swiglu``."""
     def part(name, read, slot=None):
         slot = slot or name
         return read(getattr(msg, slot), views, outputs, (slot,)) if msg.HasField(slot) else None
@@ -127,8 +130,15 @@ def step_result(msg: pb.StepResponse, views: Views = _NONE, outputs=_NONE) -> St
         route_experts=part("route_experts", route_experts_result),
         softmax=part("softmax", tensor_result),
         causal_softmax=part("causal_softmax", tensor_result),
-        silu=part("silu", tensor_result),
+        **{"swiglu" if swiglu else "silu": part("silu", tensor_result)},
     )
+
+
+def step_read(request: pb.StepRequest):
+    """:func:`step_result` for the answer to ``request``: its silu slot read as ``.swiglu``
+    where the request gave SwiGLU's ``up``."""
+    swiglu = request.HasField("silu") and request.silu.HasField("up")
+    return lambda msg, views=_NONE, outputs=_NONE: step_result(msg, views, outputs, swiglu)
 
 
 def reader(response_type, read, outputs=_NONE):

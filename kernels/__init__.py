@@ -11,7 +11,7 @@ from ._plan import FLOAT_DTYPES, TensorSpec, clear_plan_caches, plan_cache_size
 from .activation import SiluPlan, SwigluPlan, silu, swiglu
 from .causal_softmax import CausalSoftmaxPlan, causal_softmax
 from .copy import copy_by_kernel
-from .sampling.api import sample
+from .sampling.api import Logprobs, sample
 from .sampling.plan import SamplePlan
 from .route_experts import RouteExpertsPlan, route_experts
 from .softmax import SoftmaxPlan, softmax
@@ -22,6 +22,7 @@ __all__ = [
     "BACKENDS",
     "FLOAT_DTYPES",
     "CausalSoftmaxPlan",
+    "Logprobs",
     "RouteExpertsPlan",
     "SamplePlan",
     "SiluPlan",

@@ -228,33 +228,8 @@ def _check_options(k, scoring, n_group, topk_group, group_score, renormalize, ro
 class RouteExpertsPlan:
     """Route tokens to experts with the routers of current models: ``(weights, indices)``.
 
-    Parameters
-    ----------
-    gate_logits : TensorSpec
-        ``(num_tokens, E)``, float16, bfloat16 or float32, any strides; ``1 <= E <= 4096``.
-    k : int
-        Experts per token, ``1 <= k <= topk_group * E / n_group``.
-    scoring : str
-        ``"softmax"`` over the row, or ``"sigmoid"`` of each logit.
-    correction_bias : TensorSpec or None
-        float32 ``(E,)``, on the logits' device: added to the scores for selection (and group
-        scores) only; the weights come from the unbiased scores.
-    n_group, topk_group : int
-        ``n_group`` divides E into consecutive groups; the ``topk_group`` best groups stay
-        (``1 <= topk_group <= n_group``).
-    group_score : str
-        A group's score: the sum of its two best biased scores (``"top2_sum"``, DeepSeek-V3;
-        needs ``E / n_group >= 2``) or its best (``"max"``, DeepSeek-V2).
-    renormalize : bool
-        Divide the ``k`` weights of a row by their sum (before scaling).
-    routed_scaling_factor : float
-        Multiplies the weights; finite and > 0.
-
-    Experts rank by biased score, or without a bias by logit (the exact scores' order); equal
-    keys go to the lower expert, equal group scores to the lower group. Outputs are in that
-    order. Llama 4's router (top-1, sigmoid of the chosen logit) is ``scoring="sigmoid", k=1``.
-    With softmax scoring and no bias, groups or scaling, this is :class:`TopkSoftmaxPlan`. NaN
-    rows: see :func:`logitserve.kernels.reference.route_experts.route_experts`.
+    The options and the contract are :func:`route_experts`'s; here ``gate_logits`` and
+    ``correction_bias`` are :class:`TensorSpec` layouts, checked once, and ``variant`` picks a kernel.
     """
 
     def __init__(self, gate_logits: TensorSpec, k: int, *, scoring: str = "softmax",
@@ -372,7 +347,35 @@ def route_experts(gate_logits: torch.Tensor, k: int, *, scoring: str = "softmax"
                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` experts of each token under a model's router: ``(weights f32, indices int32)``, ``(N, k)``.
 
-    See :class:`RouteExpertsPlan` for the options and the full contract.
+    Parameters
+    ----------
+    gate_logits : torch.Tensor
+        ``(num_tokens, E)``, float16, bfloat16 or float32, any strides; ``1 <= E <= 4096``.
+    k : int
+        Experts per token, ``1 <= k <= topk_group * E / n_group``.
+    scoring : str
+        ``"softmax"`` over the row, or ``"sigmoid"`` of each logit.
+    correction_bias : torch.Tensor or None
+        float32 ``(E,)``, on the logits' device: added to the scores for selection (and group
+        scores) only; the weights come from the unbiased scores.
+    n_group, topk_group : int
+        ``n_group`` divides E into consecutive groups; the ``topk_group`` best groups stay
+        (``1 <= topk_group <= n_group``).
+    group_score : str
+        A group's score: the sum of its two best biased scores (``"top2_sum"``, DeepSeek-V3;
+        needs ``E / n_group >= 2``) or its best (``"max"``, DeepSeek-V2).
+    renormalize : bool
+        Divide the ``k`` weights of a row by their sum (before scaling).
+    routed_scaling_factor : float
+        Multiplies the weights; finite and > 0.
+    backend : str
+        ``"auto"``, ``"triton"``, ``"interpret"`` or ``"torch"`` (see :mod:`logitserve.kernels`).
+
+    Experts rank by biased score, or without a bias by logit (the exact scores' order); equal
+    keys go to the lower expert, equal group scores to the lower group. Outputs are in that
+    order. Llama 4's router (top-1, sigmoid of the chosen logit) is ``scoring="sigmoid", k=1``.
+    With softmax scoring and no bias, groups or scaling, this is :class:`TopkSoftmaxPlan`. NaN
+    rows: see :func:`logitserve.kernels.reference.route_experts.route_experts`.
 
     Example (DeepSeek-V3's router)
     ------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import enum
+import logging
 import platform
 import threading
 import time
@@ -244,7 +245,8 @@ class DeviceHandle:
 
     async def warm_up(self, dtypes: tuple[torch.dtype, ...], make_cases: Callable,
                       widths: tuple[int, ...] | None = None) -> None:
-        """Launch every case ``make_cases(dtype, widths)`` returns, logging progress per case.
+        """Launch every case ``make_cases(dtype, widths)`` returns: a debug line per case, then
+        one info line (cases, seconds, dtypes, widths) so that start-up at info stays short.
 
         ``widths``: the row widths to compile for (None: the backend's own list, above).
 
@@ -259,12 +261,13 @@ class DeviceHandle:
         for i, (dtype, label, call) in enumerate(plan, 1):
             t0 = time.perf_counter()
             await self.run_batch([call])
-            log_event(log, "warmup", step=f"{i}/{len(plan)}", dtype=str(dtype).removeprefix("torch."), op=label,
-                      seconds=round(time.perf_counter() - t0, 3))
+            log_event(log, "warmup", level=logging.DEBUG, step=f"{i}/{len(plan)}",
+                      dtype=str(dtype).removeprefix("torch."), op=label, seconds=round(time.perf_counter() - t0, 3))
             if dtype not in self.warmed_dtypes and all(d != dtype for d, _, _ in plan[i:]):
                 self.warmed_dtypes.append(dtype)
         log_event(log, "warmup done", device=str(self.device), backend=self.backend, cases=len(plan),
-                  seconds=round(time.perf_counter() - start, 3), plans=self.plan_cache_size)
+                  seconds=round(time.perf_counter() - start, 3), dtypes=[str(d).removeprefix("torch.") for d in dtypes],
+                  widths=list(widths), plans=self.plan_cache_size)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -123,7 +123,8 @@ def test_a_stream_step_request_given_as_a_message_is_serialized_by_protobuf():
     pending = __import__("collections").deque()
     step = messages.step_request("a", softmax={"x": np.ones(3, np.float32)})
     with Client("127.0.0.1:1") as c:
-        assert c._step_bytes(step, pending) == step.SerializeToString() and pending.popleft() == {}
+        assert c._step_bytes(step, pending) == step.SerializeToString()
+        assert pending.popleft()(pb.StepResponse(id="a").SerializeToString()) == results.StepResult(id="a")
         raw = c._step_bytes({"id": "a", "softmax": {"x": np.ones(3, np.float32)}}, pending)
     assert raw == step.SerializeToString()
 

@@ -8,10 +8,15 @@ where n passes the vocabulary (vLLM's ranks test, V = 1 and 5): the places past 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from logitserve import kernels
+from logitserve.client import SampleResult
 from logitserve.kernels import sample
+from logitserve.v1 import logitserve_pb2 as pb
 from test_sample_processors import bitmask
 
 INF = float("inf")
@@ -65,4 +70,13 @@ def test_top_logprobs_past_the_vocabulary(backend, device, vocab, n):
     assert torch.equal(lp.top_token_ids[:, :vocab].cpu(), want.indices.cpu())
     torch.testing.assert_close(lp.top_logprobs[:, :vocab].double().cpu(), want.values.cpu(), rtol=1e-5, atol=1e-5)
     assert (lp.top_token_ids[:, vocab:] == -1).all() and (lp.top_logprobs[:, vocab:] == -INF).all()
-    assert torch.equal(lp.token_rank.cpu(), (want.indices.cpu() == tokens.cpu()[:, None]).int().argmax(1) + 1)
+    assert torch.equal(lp.token_ranks.cpu(), (want.indices.cpu() == tokens.cpu()[:, None]).int().argmax(1) + 1)
+
+
+def test_logprobs_have_one_name_in_the_kernels_the_client_and_the_wire():
+    # kernels.Logprobs is exported and its fields are the client's and the proto's names.
+    assert "Logprobs" in kernels.__all__
+    names = [f.name for f in dataclasses.fields(kernels.Logprobs)]
+    assert names == ["token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask"]
+    assert set(names) <= {f.name for f in dataclasses.fields(SampleResult)}
+    assert set(names) <= set(pb.SampleResponse.DESCRIPTOR.fields_by_name)

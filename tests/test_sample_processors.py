@@ -183,7 +183,7 @@ def test_batch_invariance_with_every_feature(gen):
                      backend="interpret", **row)
         assert one[0].item() == batch[0][r].item()
         assert torch.equal(one[1].top_token_ids[0], batch[1].top_token_ids[r])
-        assert one[1].token_logprob[0].item() == batch[1].token_logprob[r].item()
+        assert one[1].token_logprobs[0].item() == batch[1].token_logprobs[r].item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -194,8 +194,8 @@ def test_logprobs_equal_reference(dtype, gen):
     got = logprobs(x, tokens, 6, backend="interpret")
     lp, rank, top_i, top_lp = reference_logprobs(x, tokens, 6)
     tol = dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got.token_logprob.double(), lp, equal_nan=True, **tol)
-    assert torch.equal(got.token_rank, rank)
+    torch.testing.assert_close(got.token_logprobs.double(), lp, equal_nan=True, **tol)
+    assert torch.equal(got.token_ranks, rank)
     assert torch.equal(got.top_token_ids, top_i)
     torch.testing.assert_close(got.top_logprobs.double(), top_lp, **tol)
 
@@ -205,7 +205,7 @@ def test_logprobs_ties_to_lower_id():
     for backend in ("torch", "interpret"):
         got = logprobs(x, torch.tensor([4]), 5, backend=backend)
         assert got.top_token_ids.tolist() == [[1, 3, 4, 2, 5]]
-        assert got.token_rank.tolist() == [1]
+        assert got.token_ranks.tolist() == [1]
 
 
 def test_sample_with_logprobs_returns_the_chosen_tokens_logprob(gen):
@@ -214,7 +214,7 @@ def test_sample_with_logprobs_returns_the_chosen_tokens_logprob(gen):
         tokens, lp = sample(x, seed=3, top_k=10, logprobs=2, backend=backend)
         assert torch.equal(tokens, sample(x, seed=3, top_k=10, backend=backend))
         want = torch.log_softmax(x.double(), 1).gather(1, tokens[:, None])[:, 0]
-        torch.testing.assert_close(lp.token_logprob.double(), want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lp.token_logprobs.double(), want, rtol=1e-6, atol=1e-6)
 
 
 def test_plain_calls_take_the_old_path(monkeypatch, gen):
@@ -273,7 +273,7 @@ def test_cuda_matches_reference_full_size():
     tokens = torch.randint(0, v, (n,), generator=gen)
     lp = logprobs(x.cuda(), tokens.cuda(), 5, backend="triton")
     ref = reference_logprobs(x, tokens, 5)
-    torch.testing.assert_close(lp.token_logprob.cpu().double(), ref[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lp.token_logprobs.cpu().double(), ref[0], rtol=1e-5, atol=1e-4)
     assert torch.equal(lp.top_token_ids.cpu(), ref[2])
 
 
@@ -305,7 +305,7 @@ def test_cuda_graph_captures_the_call_with_every_feature():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured[0], eager[0])
-    for name in ("token_logprob", "token_rank", "top_token_ids", "top_logprobs"):
+    for name in ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs"):
         assert torch.equal(getattr(captured[1], name), getattr(eager[1], name)), name
 
 
@@ -325,7 +325,7 @@ def test_logprobs_top_n_across_chunks(case, gen):
     got = logprobs(x, tokens, 6, backend="interpret")
     lp, rank, top_i, top_lp = reference_logprobs(x, tokens, 6)
     assert torch.equal(got.top_token_ids, top_i)
-    assert torch.equal(got.token_rank, rank)
+    assert torch.equal(got.token_ranks, rank)
     torch.testing.assert_close(got.top_logprobs.double(), top_lp, rtol=1e-5, atol=1e-5)
 
 
@@ -352,7 +352,7 @@ def test_processed_logprobs_and_kept_set(filters, gen):
             with np.errstate(divide="ignore"):
                 want = np.log(probs)
             assert probs[tokens[r]] > 0
-            np.testing.assert_allclose(lp.token_logprob[r].item(), want[tokens[r]], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(lp.token_logprobs[r].item(), want[tokens[r]], rtol=1e-5, atol=1e-5)
             order = sorted(range(v), key=lambda t: (-want[t], t))[:4]
             assert lp.top_token_ids[r].tolist() == order
 

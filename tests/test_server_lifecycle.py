@@ -77,7 +77,7 @@ def test_health_not_serving_until_warm_then_serving_then_not_serving_on_drain():
 
 
 def test_warm_up_compiles_on_the_interpreter(caplog):
-    caplog.set_level(logging.INFO, logger="logitserve")
+    caplog.set_level(logging.DEBUG, logger="logitserve")  # the per-case lines are debug
     with ServerThread(config(backend="interpret", warmup_dtypes=("float32",))) as server:
         with grpc.insecure_channel(server.target) as channel:
             assert check(channel) == SERVING
@@ -89,12 +89,20 @@ def test_warm_up_compiles_on_the_interpreter(caplog):
 
 
 def test_warm_up_compiles_the_configured_widths(caplog):
-    caplog.set_level(logging.INFO, logger="logitserve")
+    caplog.set_level(logging.DEBUG, logger="logitserve")
     with ServerThread(config(backend="torch", warmup_dtypes=("float32",), warmup_widths=(48, 50))) as server:
         with grpc.insecure_channel(server.target) as channel:
             assert check(channel) == SERVING
-    ops = {r.fields["op"] for r in caplog.records if r.getMessage() == "warmup"}
+    cases = [r for r in caplog.records if r.getMessage() == "warmup"]
+    ops = {r.fields["op"] for r in cases}
     assert {"sample 1x48", "softmax 16x50"} <= ops and not any(op.endswith("x64") for op in ops)
+    # At info, start-up shows one warm-up line, its summary, just before the serving line.
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert all(r.levelno == logging.DEBUG for r in cases) and "warmup" not in info
+    assert info[info.index("serving") - 1] == "warmup done"
+    [done] = [r for r in caplog.records if r.getMessage() == "warmup done"]
+    assert done.fields["cases"] == len(cases) and done.fields["dtypes"] == ["float32"]
+    assert done.fields["widths"] == [48, 50] and done.fields["seconds"] >= 0
 
 
 def test_reflection_lists_the_services():

@@ -57,8 +57,8 @@ def test_answers_equal_the_kernels(server, client):
     np.testing.assert_array_equal(result.kept_bitmask, lp.kept_bitmask.numpy())
     np.testing.assert_array_equal(result.token_ids, tokens.numpy())
     np.testing.assert_array_equal(result.valid, tokens.numpy() >= 0)
-    np.testing.assert_array_equal(result.token_logprobs, lp.token_logprob.numpy())
-    np.testing.assert_array_equal(result.token_ranks, lp.token_rank.numpy())
+    np.testing.assert_array_equal(result.token_logprobs, lp.token_logprobs.numpy())
+    np.testing.assert_array_equal(result.token_ranks, lp.token_ranks.numpy())
     np.testing.assert_array_equal(result.top_token_ids, lp.top_token_ids.numpy())
     np.testing.assert_array_equal(result.top_logprobs, lp.top_logprobs.numpy())
 

@@ -7,7 +7,7 @@ import torch
 
 
 def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int):
-    """``(token_logprob, token_rank, top_token_ids, top_logprobs)`` in float64 / int64; the top
+    """``(token_logprobs, token_ranks, top_token_ids, top_logprobs)`` in float64 / int64; the top
     ``[B, n]`` even where ``n`` passes the vocabulary, the places past it id -1 and -inf (as the
     kernels answer)."""
     x = logits.detach().to(torch.float64)

@@ -16,18 +16,20 @@ SEED_MIX = 0x243F6A88  # same constants as kernels/sampling/noise.py (tests comp
 STEP_MIX = 0x85A308D3
 
 
-def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
-    """``(a * c) mod 2**32`` for a in [0, 2**32), exact in int64: multiply by 16-bit halves of a."""
-    return (((a & 0xFFFF) * c) + ((((a >> 16) * c) & 0xFFFF) << 16)) & MASK32
-
-
 def fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values."""
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values.
+
+    ``h * c`` (both below 2**32) wraps modulo 2**64 in int64, which keeps its low 32 bits exact:
+    one multiply and a mask a step, in place on the first step's new tensor (``h`` is unchanged).
+    """
     h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
+    h *= 0x85EBCA6B
+    h &= MASK32
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h &= MASK32
+    h ^= h >> 16
+    return h
 
 
 def row_keys(seed: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,10 +64,18 @@ def _gumbel(bits: torch.Tensor) -> torch.Tensor:
     return -torch.log2(torch.where(v < 0.015625, series, -torch.log2(u)))
 
 
-def _invalid_rows(x, temperature, top_k, top_p, min_p, random_val):
+def _invalid_rows(x, temperature, top_k, top_p, min_p, random_val, row_max=None):
     """A row returns -1 when its logits hold a NaN or no finite value, or a parameter breaks its
-    rule (``kernels/sampling/params.py``; with random_val, min_p must also be 0)."""
-    bad = torch.isnan(x).any(1) | ~torch.isfinite(x).any(1)
+    rule (``kernels/sampling/params.py``; with random_val, min_p must also be 0).
+
+    From the row's max (``row_max``, ``x.max(1).values`` when not given), which is NaN where the
+    row holds a NaN: a row with no NaN has a finite value unless its max is -inf, or +inf with
+    only infinities beside it (rows with a +inf max alone are read again)."""
+    top = x.max(1).values if row_max is None else row_max
+    bad = torch.isnan(top) | (top == float("-inf"))
+    inf_rows = (top == float("inf")).nonzero()[:, 0]
+    if inf_rows.numel():
+        bad[inf_rows] |= ~torch.isfinite(x[inf_rows]).any(1)
     for param, value in ((TEMPERATURE, temperature), (TOP_K, top_k), (TOP_P, top_p), (MIN_P, min_p)):
         bad |= ~param.ok(value)
     if random_val is not None:
@@ -76,34 +86,53 @@ def _invalid_rows(x, temperature, top_k, top_p, min_p, random_val):
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, *, filter_order: str = "top_k_first",
            random_val: torch.Tensor | None = None, out_dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Token ids ``[B]`` for ``logits [B, V]``; see docs/DESIGN.md for the semantics of each parameter."""
-    n_rows, n_cols = logits.shape
+    """Token ids ``[B]`` for ``logits [B, V]``; see docs/DESIGN.md for the semantics of each parameter.
+
+    Greedy and invalid rows cost one pass (the row max and its first index); only the other rows
+    are drawn (``_drawn_tokens``): rows are independent, so a row's token is the same either way.
+    """
     ct = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(ct)
     temperature, top_p, min_p = temperature.to(torch.float32), top_p.to(torch.float32), min_p.to(torch.float32)
     top_k = top_k.to(torch.int64)
     if random_val is not None:
         random_val = random_val.to(torch.float32)
-    bad = _invalid_rows(x, temperature, top_k, top_p, min_p, random_val)
-    x = torch.where(torch.isnan(x), float("-inf"), x)
+    top, first_max = x.max(1)  # the first maximal index (a row with a NaN is invalid)
+    bad = _invalid_rows(x, temperature, top_k, top_p, min_p, random_val, row_max=top)
     greedy = (temperature == 0) | (top_k == 1)
-    greedy_token = x.argmax(1)  # the first maximal index
+    token = first_max
+    drawn = (~(greedy | bad)).nonzero()[:, 0]
+    if drawn.numel() == x.shape[0]:
+        token = _drawn_tokens(x, top[:, None], temperature, top_k, top_p, min_p, seed, step, random_val,
+                              filter_order)
+    elif drawn.numel():
+        token[drawn] = _drawn_tokens(x[drawn], top[drawn, None], temperature[drawn], top_k[drawn], top_p[drawn],
+                                     min_p[drawn], seed[drawn], step[drawn],
+                                     None if random_val is None else random_val[drawn], filter_order)
+    return torch.where(bad, -1, token).to(out_dtype)
 
+
+def _drawn_tokens(x, m, temperature, top_k, top_p, min_p, seed, step, random_val, filter_order):
+    """The tokens of rows that are neither greedy nor invalid (no NaN, a finite logit, valid
+    parameters); ``m``: the rows' max ``[B, 1]``."""
+    n_cols = x.shape[1]
+    ct = x.dtype
     # log2 of the relative probabilities w = p / max(p) = exp((x - max) / T); the max itself gets
     # exactly 0 (w = 1), which also makes a row with +inf logits uniform over its +inf entries.
-    m = x.max(1, keepdim=True).values
-    scale = (1.4426950408889634 / torch.where(greedy | bad, 1.0, temperature)).to(ct)[:, None]
+    scale = (1.4426950408889634 / temperature).to(ct)[:, None]
     d = torch.where(x == m, 0.0, (x - m) * scale)
-    w = torch.exp2(d)
-    sorted_x, order = torch.sort(x, dim=1, descending=True, stable=True)  # ties: lower index first
     k = torch.where((top_k <= 0) | (top_k >= n_cols), n_cols, top_k).clamp(min=1)[:, None]
-    if random_val is None:
-        token = _draw(x, d, w, sorted_x, order, k, top_p.to(ct)[:, None], min_p.to(ct)[:, None],
-                      row_keys(seed, step), filter_order)
-    else:
-        token = _infinicore(w, order, k, top_p.to(ct), random_val.to(ct))
-    token = torch.where(greedy, greedy_token, token)
-    return torch.where(bad, -1, token).to(out_dtype)
+    top_p, min_p = top_p.to(ct)[:, None], min_p.to(ct)[:, None]
+    if random_val is not None:
+        order = torch.sort(x, dim=1, descending=True, stable=True).indices
+        return _infinicore(torch.exp2(d), order, k, top_p[:, 0], random_val.to(ct))
+    kept = None  # every token: no row filters
+    if bool(((k < n_cols) | (top_p < 1)).any()):
+        sorted_x, order = torch.sort(x, dim=1, descending=True, stable=True)  # ties: lower index first
+        kept = _kept(x, torch.exp2(d), sorted_x, order, k, top_p, min_p, filter_order)
+    elif bool((min_p > 0).any()):
+        kept = torch.exp2(d) >= min_p  # _kept's min-p, its top-k and top-p keeping every token
+    return _race(d, kept, row_keys(seed, step))
 
 
 def kept_set(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -149,15 +178,26 @@ def _kept(x, w, sorted_x, order, k, top_p, min_p, filter_order):
     return in_k & in_p & (w >= min_p)
 
 
-def _draw(x, d, w, sorted_x, order, k, top_p, min_p, keys, filter_order):
-    kept = _kept(x, w, sorted_x, order, k, top_p, min_p, filter_order)
-    # Exponential race: argmax p_i / E_i over the kept tokens is distributed as p restricted to
-    # them; in base-2 logs, argmax log2(w_i) - log2(E_i). The noise is drawn for the kept tokens
-    # alone (often a few dozen of the row), the same values noise() gives them, not for the row.
-    rows, cols = kept.nonzero(as_tuple=True)
+# A kept set this sparse draws its noise for the kept tokens alone (indexing costs more a token
+# than hashing it, so denser sets hash the whole row and mask it).
+SPARSE_KEPT_SHARE = 0.25
+
+
+def _race(d, kept, keys):
+    """Exponential race: argmax p_i / E_i over the kept tokens (``kept`` None: all) is distributed
+    as p restricted to them; in base-2 logs, argmax log2(w_i) - log2(E_i), with the noise
+    ``noise()`` gives each token, whichever tokens it is drawn for."""
     k0, k1 = keys
-    race = torch.full_like(d, float("-inf"))
-    race[rows, cols] = d[rows, cols] + _gumbel(_token_bits(k0[rows], k1[rows], cols)).to(d.dtype)
+    if kept is not None and kept.sum() < SPARSE_KEPT_SHARE * kept.numel():
+        rows, cols = kept.nonzero(as_tuple=True)
+        race = torch.full_like(d, float("-inf"))
+        race[rows, cols] = d[rows, cols] + _gumbel(_token_bits(k0[rows], k1[rows], cols)).to(d.dtype)
+        return race.argmax(1)
+    idx = torch.arange(d.shape[1], dtype=torch.int64, device=d.device)
+    race = _gumbel(_token_bits(k0[:, None], k1[:, None], idx[None, :])).to(d.dtype)
+    race += d
+    if kept is not None:
+        race.masked_fill_(~kept, float("-inf"))
     return race.argmax(1)
 
 

@@ -143,12 +143,12 @@ def _lp_merge(lp_ptr, rank_ptr, top_i_ptr, top_lp_ptr, tok_ptr, x_ptr, x_rs, x_c
 
 @dataclass
 class Logprobs:
-    """Per row: ``token_logprob`` float32 [B], ``token_rank`` int64 [B] (1 = most probable),
+    """Per row: ``token_logprobs`` float32 [B], ``token_ranks`` int64 [B] (1 = most probable),
     ``top_token_ids`` int64 [B, n], ``top_logprobs`` float32 [B, n] (descending, ties to the
     lower id; where n passes the vocabulary, the places past it id -1 and -inf)."""
 
-    token_logprob: torch.Tensor | None = None
-    token_rank: torch.Tensor | None = None
+    token_logprobs: torch.Tensor | None = None
+    token_ranks: torch.Tensor | None = None
     top_token_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     # With return_kept: the tokens the filters kept, int32 [B, ceil(V / 32)] (xgrammar's layout).
@@ -225,7 +225,7 @@ def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int = 0, *, mode:
     _lp_chunks.for_backend(backend)[(n_rows, n_chunks)](part, above, gv, gi, *args, WITH_TOP=n > 0, CH=ch, NG=ng,
                                                        IS_F64=is_f64, num_warps=8)
     _lp_merge.for_backend(backend)[(n_rows,)](
-        out.token_logprob, out.token_rank, out.top_token_ids, out.top_logprobs, *args, part, above, gv, gi, N=n,
+        out.token_logprobs, out.token_ranks, out.top_token_ids, out.top_logprobs, *args, part, above, gv, gi, N=n,
         NP=triton.next_power_of_2(max(n, 1)), CB=triton.next_power_of_2(n_chunks),
         GB=triton.next_power_of_2(n_chunks * ng), CH=ch, NG=ng, IS_F64=is_f64, num_warps=4)
     return out

@@ -163,6 +163,6 @@ def launch_processed(call, handle, names) -> tuple:
     call.put_outputs(tokens)
     host_lp = None
     if lp is not None:
-        host_lp = tuple(None if t is None else t.cpu() for t in (lp.token_logprob, lp.token_rank, lp.top_token_ids,
+        host_lp = tuple(None if t is None else t.cpu() for t in (lp.token_logprobs, lp.token_ranks, lp.top_token_ids,
                                                                   lp.top_logprobs, lp.kept_bitmask))
     return to_host(tokens), host_lp
