@@ -27,6 +27,7 @@ from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor
 
 from logitserve.client import Client, LogitServeError
 from logitserve.server import ServerConfig
+from logitserve.server.process import ServerProcess
 from logitserve.server.testing import ServerThread
 
 _spec = importlib.util.spec_from_file_location(
@@ -213,11 +214,12 @@ def test_command_line(server, capsys):
 def test_cuda_ipc_region_matches_generate():
     """The model on the GPU, its logits in a CUDA IPC region the server reads in place."""
     model = hf_decode.tiny_llama(vocab_size=256, seed=0).to("cuda")
-    config = ServerConfig(host="127.0.0.1", port=0, device="cuda:0", warmup_dtypes=())
     ids, mask = hf_decode.left_pad(PROMPTS, PAD, "cuda")
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=PAD,
                               eos_token_id=None, repetition_penalty=1.5)[:, ids.shape[1]:].cpu().numpy()
-    with ServerThread(config) as s, Client(s.target, timeout=300) as client:
+    # A server process of its own: CUDA opens no IPC handle in the process that exported it.
+    with ServerProcess("--warmup-dtypes", "none", device="cuda:0", backend="triton") as s, \
+            Client(s.target, timeout=300) as client:
         result = _decode(model, client, repetition_penalty=1.5)
     assert result.transport == "cuda"
     np.testing.assert_array_equal(result.token_ids, expected)
