@@ -106,7 +106,7 @@ class HostTensor(_Shaped):
     # The bytes are a registered system shared-memory region's (a lease of the call holds it):
     # staged like bytes, read from the object through its descriptor (server/regions/access.py).
     in_region: bool = False
-    # ... page-locked (a CUDA server's region): the device copies them by DMA, never staged.
+    # ... page-locked (a CUDA server's region): the device's kernels copy them, never staged.
     pinned: bool = False
 
     @classmethod

@@ -3,8 +3,8 @@ regions, and how a batch of such calls launches.
 
 An input is read in place (:func:`reads_in_place`) when it is a :class:`~..tensors.DeviceTensor`
 (the client's CUDA memory, on the server's device). An input in a page-locked system region on a
-CUDA server (server/regions/pinning.py) is copied in (:func:`copies_in`): one DMA copy from the
-region to the device, no staging. Every other input is staged as on the byte path
+CUDA server (server/regions/pinning.py) is copied in (:func:`copies_in`): one kernel copy from
+the region to the device, no staging. Every other input is staged as on the byte path
 (server/staging.py): on CUDA, one host-to-device copy of the batch's host pieces. A piece in a
 pageable system region (every system region on the CPU) is read from its object straight into the
 staging buffer, through the object's descriptor: its client may shrink it at any moment, and a

@@ -48,8 +48,9 @@ at any moment, and bytes of a mapping past the new end fault (SIGBUS) when touch
 checked before: so no CPU code touches a system region through a mapping. Its bytes are read with
 ``os.preadv`` into the server's own memory and written with ``os.pwritev`` (access.py), which
 cannot fault: a shrunk object fails the call (``ValueError`` naming the region), the server goes
-on. Only a page-locked region (a CUDA server, pinning.py) is mapped, for the device's DMA copies,
-on pages truncation cannot take away.
+on. Only a page-locked region (a CUDA server, pinning.py) is mapped, for the device's kernels
+alone; a truncation takes its pages from the object but not from the device, so such a region
+is refused once cut off (its last page gone from the server's page table) until registered again.
 
 **Threads.** Every method may be called from the event loop and from a launch thread; a lock
 guards the table, leases and counters. Opening a CUDA handle happens outside the lock.
@@ -76,6 +77,6 @@ from .registry import RegionRegistry
 __all__ = [
     "CUDA", "CUDA_IPC_HANDLE_BYTES", "DEFAULT_MAX_MAPPED_BYTES", "DEFAULT_MAX_REGIONS", "KEY_RULE", "KEY_SCOPE_ANY",
     "KEY_SCOPE_TOKEN", "KEY_SCOPES", "KINDS", "NAME_RULE", "OUTPUTS", "SHM_DIR", "SYSTEM", "CallRegions",
-    "RegionExists", "RegionInfo", "RegionLease", "RegionNotFound", "RegionRegistry", "check_key", "check_name", "check_outputs", "key_prefix", "owner_of",
-    "region_of",
+    "RegionExists", "RegionInfo", "RegionLease", "RegionNotFound", "RegionRegistry", "check_key", "check_name",
+    "check_outputs", "key_prefix", "owner_of", "region_of",
 ]

@@ -13,10 +13,11 @@ On the CPU the kernels then read the server's copy (staged like a request's byte
 64 x 32000 float32 logits (8.2 MB) the read took 0.8 ms (about 10 GB/s) on the 2-core CPU machine
 of 2026-11-27, within the noise of the call's 131 ms there (p50 131.5 ms before, 132.0 after,
 bytes path control 133.7 / 133.1). On a CUDA server a page-locked region
-(server/regions/pinning.py) is read and written by the device alone, by DMA over pages that
-``cudaHostRegister`` holds (truncation cannot take them away): :meth:`SystemSlice.pinned_tensor`
-gives the device its host tensor, which no CPU code reads or writes; the CPU reads and writes
-even such a region through the descriptor.
+(server/regions/pinning.py) is read and written by the device alone, by kernels over pages that
+``cudaHostRegister`` holds (a truncation takes them from the object, not from the device, and
+the CPU never touches them, so nothing faults): :meth:`SystemSlice.pinned_tensor` gives the
+device its host tensor, which no CPU code reads or writes; the CPU reads and writes even such a
+region through the descriptor.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class SystemSlice:
 
     def pinned_tensor(self, dtype: torch.dtype, shape) -> torch.Tensor:
         """The page-locked slice as a host tensor over the mapping, for the device's own copies
-        (DMA, or a kernel writing host memory) only: no CPU code may read or write it (a shrunk
+        (kernels reading or writing host memory) only: no CPU code may read or write it (a shrunk
         object would fault it). ``RuntimeError`` where the region is not page-locked."""
         self._live()
         if self._mapped is None:

@@ -2,8 +2,8 @@
 
 A pageable region reaches the device in two copies: the CPU copies its bytes into a page-locked
 staging buffer, then the copy engine moves that buffer. Page-locked where it is mapped, the region
-is read by the copy engine directly (one DMA copy per call, no CPU copy): at 64 x 128256 float32
-the CPU copy alone cost more than the rest of the call. Where CUDA refuses (no device memory
+is read by the device directly (one copy per call, by a kernel reading the locked pages, no CPU
+copy): at 64 x 128256 float32 the CPU copy alone cost more than the rest of the call. Where CUDA refuses (no device memory
 mapping for this range, a locked-memory limit), the region is left pageable and its calls are
 staged as before: slower, never wrong.
 """
@@ -28,7 +28,7 @@ _PORTABLE, _MAPPED, _READ_ONLY = 0x01, 0x02, 0x08
 def pin(mapping: mmap.mmap, writable: bool, what: str):
     """Page-lock the whole of ``mapping``; ``(unpin, still_attached)``, or None where CUDA refuses.
     Call ``unpin`` before the mapping closes; ``still_attached(start, end)`` tells whether bytes
-    ``[start, end)`` of the mapping are still the object's pages (see :func:`_present`)."""
+    ``[start, end)`` of the mapping are still on the object's pages (see :func:`_present`)."""
     import torch
 
     cudart = torch.cuda.cudart()
@@ -54,7 +54,7 @@ def pin(mapping: mmap.mmap, writable: bool, what: str):
 # ones it locked: from then on the region's device view is not the object's, even once the
 # object grows back. Truncation also clears the server's page-table entries for those pages,
 # and nothing sets them again, since the server's CPU never touches a locked region (its bytes
-# go by kernels and DMA only): so a page not present in /proc/self/pagemap (bit 63) is a page
+# go by kernels only): so a page not present in /proc/self/pagemap (bit 63) is a page
 # cut off. A truncation cuts everything past its new size, so the last page of a slice tells.
 _PAGE = mmap.PAGESIZE
 _pagemap: int | None = None

@@ -43,8 +43,7 @@ class Region:
         self.buf: memoryview | None = None  # ... their bytes, [offset, offset + byte_size) of the object
         self.object_end = offset + byte_size  # the object must stay at least this long
         self.unpin = None  # set where the mapping is page-locked (server/regions/pinning.py)
-        self.still_attached = None  # ... with it: whether a byte range's locked pages are still the object's
-        self.map_start = 0  # the object's offset of the locked mapping's first byte
+        self.still_attached = None  # ... with it: whether the object's bytes [start, end) are still on the locked pages
         self.detached = False  # the object was cut under the locked pages: refused until registered again
         # CUDA
         self.base_ptr = 0  # the opened allocation's base
@@ -103,7 +102,7 @@ class RegionLease:
 
     @property
     def pinned(self) -> bool:
-        """Whether the slice is page-locked system memory (the device copies it by DMA)."""
+        """Whether the slice is page-locked system memory (the device's kernels copy it)."""
         return self._region is not None and self._region.unpin is not None
 
     def _system(self) -> SystemSlice:

@@ -252,8 +252,7 @@ class RegionRegistry:
                     region.detached = region.detached or region.unpin is not None
                     raise shrunk_error(field, region, size)
                 if region.unpin is not None:  # page-locked: the device's pages may be cut off the object
-                    lo = start - region.map_start
-                    if region.detached or not region.still_attached(lo, lo + need):
+                    if region.detached or not region.still_attached(start, start + need):
                         region.detached = True
                         raise detached_error(field, region)
                 mapped = None if region.buf is None else region.buf[offset:offset + need]

@@ -5,8 +5,9 @@ a regular file: nothing outside the shared-memory namespace is ever opened.
 
 The region is read and written through the descriptor (server/regions/access.py): a client may
 shrink its object at any moment, and a mapping would then fault. It is mapped only to be
-page-locked (``pinned``, a CUDA server), for the device's DMA copies, which truncation cannot
-fault; where CUDA refuses to page-lock it, the mapping goes at once.
+page-locked (``pinned``, a CUDA server), for the device's copies (kernels reading and writing
+the locked pages, which no CPU code touches, so truncation cannot fault the server); where CUDA
+refuses to page-lock it, the mapping goes at once.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def _map_pinned(region: Region, page_start: int, length: int) -> None:
     if pinned is None:
         mapping.close()
         return
-    region.mmap, (region.unpin, region.still_attached) = mapping, pinned
-    region.map_start = page_start
+    unpin, attached = pinned
+    region.mmap, region.unpin = mapping, unpin
+    # The registry asks in the object's offsets; the mapping starts at page_start of the object.
+    region.still_attached = lambda start, end: attached(start - page_start, end - page_start)
     region.buf = memoryview(mapping)[region.offset - page_start:]
