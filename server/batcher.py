@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from .device import Wait
-from .errors import DeadlineExpired, Draining, QueueFull
+from .errors import DeadlineExpired, Draining, QueueFull, exception_chain
 from .logs import get_logger, log_event
 
 log = get_logger("batcher")
@@ -38,11 +38,8 @@ def _cut_loose(exc: BaseException) -> BaseException:
     batch's failure reaches none (its calls are retried alone): every call of a batch that ran
     out of device memory stayed until the next collection, answered OK or not. Cut here, a
     launch's calls are freed by reference counting as their handlers return."""
-    chain = [exc]
-    while chain:
-        link = chain.pop()
+    for link in exception_chain(exc):
         traceback.clear_frames(link.__traceback__)  # the frame running this is skipped
-        chain += [e for e in (link.__cause__, link.__context__) if e is not None]
     return exc
 
 

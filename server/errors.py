@@ -29,3 +29,15 @@ class Unauthenticated(Exception):
 
 class NotFound(LookupError):
     """No such thing to answer about (a KServe model or version): NOT_FOUND."""
+
+
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception chained to it (``__cause__``, ``__context__``), each once."""
+    found, pending = [], [exc]
+    while pending:
+        link = pending.pop()
+        if any(link is seen for seen in found):
+            continue
+        found.append(link)
+        pending += [e for e in (link.__cause__, link.__context__) if e is not None]
+    return found

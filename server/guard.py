@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from .errors import DeadlineExpired, Draining, NotFound, QueueFull, TooLarge, Unauthenticated
+from .errors import DeadlineExpired, Draining, NotFound, QueueFull, TooLarge, Unauthenticated, exception_chain
 from .identity import authorization_of
 from .logs import get_logger, log_event
 from .regions import RegionExists, RegionNotFound
@@ -105,10 +105,7 @@ def let_go(exc: BaseException) -> None:
     a worker thread). Every refused request stayed so (five refused 32 MB Samples: +215 MiB of
     RSS; docs/RELIABILITY.md). Cut loose, they are freed by reference counting as the handler
     returns."""
-    chain = [exc]
-    while chain:
-        link = chain.pop()
-        chain += [e for e in (link.__cause__, link.__context__) if e is not None]
+    for link in exception_chain(exc):
         link.__traceback__ = link.__cause__ = link.__context__ = None
 
 
