@@ -17,21 +17,8 @@ import torch
 
 from logitserve.kserve import grpc_service_pb2 as kpb
 from logitserve.kserve import grpc_service_pb2_grpc as kpb_grpc
-from logitserve.server import ServerConfig
 from logitserve.server.testing import ServerThread
-
-V = 48
-NOT_FOUND, INVALID = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT
-
-
-def _config(**changes) -> ServerConfig:
-    return ServerConfig(host="127.0.0.1", port=0, device="cpu", backend="torch", warmup_dtypes=(), **changes)
-
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerThread(_config()) as s:
-        yield s
+from test_sequences import INVALID, NOT_FOUND, V, _config, server  # noqa: F401 (the server fixture)
 
 
 @pytest.fixture

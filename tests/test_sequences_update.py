@@ -9,29 +9,10 @@ from __future__ import annotations
 import threading
 
 import grpc
-import pytest
 import torch
 
-from logitserve.client import LogitServeError
-from logitserve.server import ServerConfig
-from logitserve.server.testing import ServerThread
 from test_sample_processors import ragged
-
-V = 48
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
-
-
-@pytest.fixture(scope="module")
-def server():
-    config = ServerConfig(host="127.0.0.1", port=0, device="cpu", backend="torch", warmup_dtypes=())
-    with ServerThread(config) as s:
-        yield s
-
-
-def _error(fn, *args, **kwargs) -> LogitServeError:
-    with pytest.raises(LogitServeError) as info:
-        fn(*args, **kwargs)
-    return info.value
+from test_sequences import INVALID, V, _error, server  # noqa: F401 (the server fixture)
 
 
 def _stateless(client, logits, state, step):
