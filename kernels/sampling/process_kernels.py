@@ -49,6 +49,21 @@ FLAG_P = tl.constexpr(2)  # a prompt token
 FLAG_T = tl.constexpr(4)  # its final value is written
 FLAG_WORDS_PER_GRAMMAR_WORD = tl.constexpr(4)
 
+# A list table (``TABLE`` mode of ``_lists``): one int64 row a batch row, each list held by
+# address: (address, length) of the prompt, the output, the bias ids, then the bias values'
+# address (float32), (address, length) of the banned and the stop tokens, min_tokens, and the
+# output's capacity (the ids its buffer has room for: ``_append``). Addresses are the list
+# owner's to keep valid (a server's sequences: server/sequences_table.py).
+COL_PROMPT = tl.constexpr(0)
+COL_OUTPUT = tl.constexpr(2)
+COL_BIAS = tl.constexpr(4)
+COL_BIAS_VALUES = tl.constexpr(6)
+COL_BANNED = tl.constexpr(7)
+COL_STOP = tl.constexpr(9)
+COL_MIN_TOKENS = tl.constexpr(11)
+COL_OUTPUT_CAPACITY = tl.constexpr(12)
+TABLE_COLUMNS = tl.constexpr(13)
+
 
 @launchable
 @triton.jit(do_not_specialize=["n_cols", "g_words"])
@@ -143,18 +158,60 @@ def _write_list(y_row, x_row, x_cs, n_cols, ids, lo, hi, f_row, rep, freq, pres,
         _final(y_row, x_row, x_cs, t, sh, w, old, rep, freq, pres, 0.0, HAS_PROMPT, HAS_OUTPUT, False)
 
 
+@triton.jit
+def _listed(tab_row, COL: tl.constexpr):
+    """A list held by address (a list table's row, ``TABLE`` mode): its int64 ids and length."""
+    return tl.load(tab_row + COL).to(tl.pointer_type(tl.int64)), tl.load(tab_row + COL + 1)
+
+
 @launchable
 @triton.jit(do_not_specialize=["n_cols", "g_words", "p_n", "o_n", "b_n", "a_n", "n_n", "s_n"])
 def _lists(y_ptr, x_ptr, x_rs, x_cs, n_cols, flags_ptr, g_ptr, g_words, rep_ptr, freq_ptr, pres_ptr,
            p_ids, p_off, p_n, o_ids, o_off, o_n, b_ids, b_vals, b_off, b_n, a_ids, a_off, a_n, n_ids, n_off, n_n,
-           s_ids, s_off, s_n, mt_ptr,
+           s_ids, s_off, s_n, mt_ptr, tab_ptr,
            HAS_PROMPT: tl.constexpr, HAS_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr,
            HAS_ALLOWED: tl.constexpr, HAS_BANNED: tl.constexpr, HAS_MIN_TOKENS: tl.constexpr,
-           HAS_GRAMMAR: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr):
+           HAS_GRAMMAR: tl.constexpr, TABLE: tl.constexpr, TB: tl.constexpr, BT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_rs
     y_row = y_ptr + row * n_cols
     f_row = flags_ptr + row * g_words * FLAG_WORDS_PER_GRAMMAR_WORD
+    # Each list's ids and span: ragged (ids, offsets), or with TABLE by address from the row of
+    # the list table (every list but the allowed one, which a table does not hold).
+    tab_row = tab_ptr + row * TABLE_COLUMNS
+    if HAS_PROMPT:
+        if TABLE:
+            p_ids, p_hi = _listed(tab_row, COL_PROMPT)
+            p_lo = p_hi * 0
+        else:
+            p_lo, p_hi = _span(p_off, row, p_n)
+    if HAS_OUTPUT or HAS_MIN_TOKENS:
+        if TABLE:
+            o_ids, o_hi = _listed(tab_row, COL_OUTPUT)
+            o_lo = o_hi * 0
+        else:
+            o_lo, o_hi = _span(o_off, row, o_n)
+    if HAS_BIAS:
+        if TABLE:
+            b_ids, b_hi = _listed(tab_row, COL_BIAS)
+            b_vals = tl.load(tab_row + COL_BIAS_VALUES).to(tl.pointer_type(tl.float32))
+            b_lo = b_hi * 0
+        else:
+            b_lo, b_hi = _span(b_off, row, b_n)
+    if HAS_BANNED:
+        if TABLE:
+            n_ids, n_hi = _listed(tab_row, COL_BANNED)
+            n_lo = n_hi * 0
+        else:
+            n_lo, n_hi = _span(n_off, row, n_n)
+    if HAS_MIN_TOKENS:
+        if TABLE:
+            s_ids, s_hi = _listed(tab_row, COL_STOP)
+            s_lo = s_hi * 0
+            min_len = tl.load(tab_row + COL_MIN_TOKENS)
+        else:
+            s_lo, s_hi = _span(s_off, row, s_n)
+            min_len = tl.load(mt_ptr + row).to(tl.int64)
     # (1) The allowed tokens back, where the grammar allows them too.
     if HAS_ALLOWED:
         a_lo, a_hi = _span(a_off, row, a_n)
@@ -172,13 +229,11 @@ def _lists(y_ptr, x_ptr, x_rs, x_cs, n_cols, flags_ptr, g_ptr, g_words, rep_ptr,
         pres = tl.load(pres_ptr + row)
         # (2) Flags; an output token's first lane turns its y slot into a count.
         if HAS_PROMPT:
-            p_lo, p_hi = _span(p_off, row, p_n)
             for s in range(p_lo, p_hi, TB):
                 t, word, sh, ok = _tile(p_ids, s, p_hi, n_cols, TB)
                 tl.atomic_or(f_row + word, _bit(sh, FLAG_P), mask=ok, sem="relaxed")
         if HAS_OUTPUT:
             y_int = y_row.to(tl.pointer_type(tl.int32))
-            o_lo, o_hi = _span(o_off, row, o_n)
             for s in range(o_lo, o_hi, TB):
                 t, word, sh, ok = _tile(o_ids, s, o_hi, n_cols, TB)
                 # A lane that reads the first lane's 0 (not -inf) agrees that the token is live.
@@ -194,7 +249,6 @@ def _lists(y_ptr, x_ptr, x_rs, x_cs, n_cols, flags_ptr, g_ptr, g_words, rep_ptr,
         tl.debug_barrier()
         # (4) Final values: the bias tokens first, their biases summed in list order.
         if HAS_BIAS:
-            b_lo, b_hi = _span(b_off, row, b_n)
             for s in range(b_lo, b_hi, BT):
                 t, word, sh, ok = _tile(b_ids, s, b_hi, n_cols, BT)
                 old = tl.atomic_or(f_row + word, _bit(sh, FLAG_T), mask=ok, sem="relaxed")
@@ -209,25 +263,35 @@ def _lists(y_ptr, x_ptr, x_rs, x_cs, n_cols, flags_ptr, g_ptr, g_words, rep_ptr,
                 _final(y_row, x_row, x_cs, t, sh, w, old, rep, freq, pres, bias, HAS_PROMPT, HAS_OUTPUT, True)
             tl.debug_barrier()
         if HAS_OUTPUT:
-            o_lo, o_hi = _span(o_off, row, o_n)
             _write_list(y_row, x_row, x_cs, n_cols, o_ids, o_lo, o_hi, f_row, rep, freq, pres, HAS_PROMPT,
                         HAS_OUTPUT, TB)
         if HAS_PROMPT:
-            p_lo, p_hi = _span(p_off, row, p_n)
             _write_list(y_row, x_row, x_cs, n_cols, p_ids, p_lo, p_hi, f_row, rep, freq, pres, HAS_PROMPT,
                         HAS_OUTPUT, TB)
         tl.debug_barrier()
     # (5) Banned tokens, and stop tokens while the output is shorter than min_tokens.
     if HAS_BANNED:
-        n_lo, n_hi = _span(n_off, row, n_n)
         for s in range(n_lo, n_hi, TB):
             t, word, sh, ok = _tile(n_ids, s, n_hi, n_cols, TB)
             tl.store(y_row + t, tl.full([TB], float("-inf"), tl.float32), mask=ok)
     if HAS_MIN_TOKENS:
-        out_lo, out_hi = _span(o_off, row, o_n)
-        out_len = out_hi - out_lo
-        min_len = tl.load(mt_ptr + row).to(tl.int64)
-        s_lo, s_hi = _span(s_off, row, s_n)
+        out_len = o_hi - o_lo
         for s in range(s_lo, s_hi, TB):
             t, word, sh, ok = _tile(s_ids, s, s_hi, n_cols, TB)
             tl.store(y_row + t, tl.full([TB], float("-inf"), tl.float32), mask=ok & (t * 0 + out_len < min_len))
+
+
+@launchable
+@triton.jit
+def _append(tab_ptr, tokens_ptr, n_rows, BLOCK: tl.constexpr):
+    """Each row's drawn token (when one was drawn: >= 0) appended to its output list in a list
+    table (``TABLE`` mode): stored after the output's ``length`` ids, where the row's capacity
+    leaves room. The table itself is the caller's to advance."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    live = rows < n_rows
+    tab = tab_ptr + rows * TABLE_COLUMNS
+    token = tl.load(tokens_ptr + rows, mask=live, other=-1).to(tl.int64)
+    length = tl.load(tab + COL_OUTPUT + 1, mask=live, other=0)
+    room = tl.load(tab + COL_OUTPUT_CAPACITY, mask=live, other=0)
+    ids = tl.load(tab + COL_OUTPUT, mask=live, other=0).to(tl.pointer_type(tl.int64))
+    tl.store(ids + length, token, mask=live & (token >= 0) & (length < room))

@@ -36,7 +36,7 @@ import triton
 
 from .._backend import resolve_backend
 from .params import MIN_TOKENS, PENALTY_PARAMS, RAGGED_LISTS, SamplingParam
-from .process_kernels import FLAG_WORDS_PER_GRAMMAR_WORD, _dense, _lists
+from .process_kernels import FLAG_WORDS_PER_GRAMMAR_WORD, TABLE_COLUMNS, _append, _dense, _lists
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 LIST_TILE = 1024  # list tokens a step of _lists: lists of a few thousand take a few steps a phase
@@ -45,9 +45,35 @@ BIAS_TILE = 64  # bias tokens a step, each summed against the bias list BIAS_TIL
 DENSE_WORDS = 128  # grammar words (32 columns each) a _dense program: 4096 columns
 
 
+# The lists a list table may hold, by Processors attribute (process_kernels.py's columns).
+TABLE_LISTS = ("prompt", "output", "logit_bias", "banned", "stop")
+
+
+@dataclass(frozen=True)
+class ListTable:
+    """Each row's lists held by address instead of ragged (ids, offsets): ``rows``, int64
+    ``[B, TABLE_COLUMNS]`` on the logits' device, laid out as process_kernels.py's list table;
+    ``lists``, the names of :data:`TABLE_LISTS` whose columns are set (the others are not
+    read). The addresses must stay valid until the launches that read them finish. For a server
+    that keeps each sequence's lists on the device (server/sequences_table.py): no list is
+    gathered per call, and a graph captures the launch whatever the lists' lengths. Compiled
+    Triton kernels only (the ``triton`` and ``interpret`` backends)."""
+
+    rows: torch.Tensor
+    lists: frozenset
+
+    def __post_init__(self):
+        if self.rows.dtype != torch.int64 or self.rows.ndim != 2 or self.rows.shape[1] != TABLE_COLUMNS.value \
+                or not self.rows.is_contiguous():
+            raise ValueError(f"a list table must be a contiguous int64 [B, {TABLE_COLUMNS.value}] tensor")
+        if not self.lists <= set(TABLE_LISTS):
+            raise ValueError(f"a list table holds lists of {TABLE_LISTS}, got {sorted(self.lists)}")
+
+
 @dataclass
 class Processors:
-    """The processors of one call, checked (``Processors.of``); every list is ``(ids, offsets)``."""
+    """The processors of one call, checked (``Processors.of``); every list is ``(ids, offsets)``,
+    or held by address in ``table`` (then min_tokens is the table's, and ``allowed`` is ragged)."""
 
     repetition_penalty: object = 1.0
     frequency_penalty: object = 0.0
@@ -60,6 +86,11 @@ class Processors:
     min_tokens: object = 0
     stop: tuple | None = None
     grammar_bitmask: torch.Tensor | None = None
+    table: ListTable | None = None
+
+    def has(self, name: str) -> bool:
+        """Whether list ``name`` is given, ragged or in the table."""
+        return getattr(self, name) is not None or (self.table is not None and name in self.table.lists)
 
     @property
     def penalties_on(self) -> bool:
@@ -68,13 +99,14 @@ class Processors:
 
     @property
     def min_tokens_on(self) -> bool:
+        if self.table is not None:
+            return "stop" in self.table.lists
         return self.stop is not None and (isinstance(self.min_tokens, torch.Tensor) or self.min_tokens != 0)
 
     @property
     def any(self) -> bool:
-        return (self.penalties_on and (self.prompt is not None or self.output is not None)) or \
-            self.logit_bias is not None or self.allowed is not None or self.banned is not None or \
-            self.min_tokens_on or self.grammar_bitmask is not None
+        return (self.penalties_on and (self.has("prompt") or self.has("output"))) or self.has("logit_bias") or \
+            self.allowed is not None or self.has("banned") or self.min_tokens_on or self.grammar_bitmask is not None
 
     @classmethod
     def of(cls, n_rows: int, n_cols: int, device, **kw) -> "Processors":
@@ -215,6 +247,8 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
     """The processed logits, float32 ``[B, V]`` (a new tensor); see the module docstring."""
     n_rows, n_cols = logits.shape
     backend = resolve_backend(backend, logits.device)
+    if procs.table is not None and backend == "torch":
+        raise ValueError("a list table is read by the Triton kernels only (backend 'triton' or 'interpret')")
     if backend == "torch":
         from ..reference.processors import process as reference
         return reference(logits, procs).to(torch.float32)
@@ -223,11 +257,13 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
     if n_rows == 0:
         return y
     dummy = torch.zeros(2, dtype=torch.int32, device=dev)
-    prompt_on = procs.penalties_on and procs.prompt is not None
-    output_on = procs.penalties_on and procs.output is not None
-    bias, g = procs.logit_bias, procs.grammar_bitmask
+    table = procs.table
+    prompt_on = procs.penalties_on and procs.has("prompt")
+    output_on = procs.penalties_on and procs.has("output")
+    bias_on, banned_on = procs.has("logit_bias"), procs.has("banned")
+    g = procs.grammar_bitmask
     words = (n_cols + 31) // 32
-    with_flags = prompt_on or output_on or bias is not None
+    with_flags = prompt_on or output_on or bias_on
     flag_shape = (n_rows, FLAG_WORDS_PER_GRAMMAR_WORD.value * words) if with_flags else (1,)
     flags = torch.empty(flag_shape, dtype=torch.int32, device=dev)  # zeroed by _dense
 
@@ -238,25 +274,41 @@ def process_logits(logits: torch.Tensor, procs: Processors, backend: str = "auto
     o_ids, o_off, o_n = ragged(procs.output)
     if not output_on:
         o_ids = dummy
-    mt = _rows(procs.min_tokens, n_rows, torch.int64, dev) if procs.min_tokens_on else dummy
+    mt = _rows(procs.min_tokens, n_rows, torch.int64, dev) if procs.min_tokens_on and table is None else dummy
     g_arg = g if g is not None else dummy
     _dense.for_backend(backend)[(n_rows, triton.cdiv(words, DENSE_WORDS))](
         y, logits, *logits.stride(), n_cols, g_arg, words, flags, HAS_ALLOWED=procs.allowed is not None,
         HAS_GRAMMAR=g is not None, HAS_FLAGS=with_flags, WORDS=DENSE_WORDS, num_warps=8)
-    if not (with_flags or procs.allowed is not None or procs.banned is not None or procs.min_tokens_on):
+    if not (with_flags or procs.allowed is not None or banned_on or procs.min_tokens_on):
         return y  # a grammar bitmask alone: the dense pass did everything
     rep, freq, pres = (_rows(getattr(procs, p.name), n_rows, torch.float32, dev) for p in PENALTY_PARAMS.values())
+    bias = procs.logit_bias
     _lists.for_backend(backend)[(n_rows,)](
         y, logits, *logits.stride(), n_cols, flags, g_arg, words, rep, freq, pres, *ragged(procs.prompt, prompt_on),
         o_ids, o_off, o_n, *((bias[0], bias[2], bias[1], bias[0].shape[0]) if bias is not None else
                              (dummy, dummy, dummy, 0)),
         *ragged(procs.allowed), *ragged(procs.banned), *ragged(procs.stop, procs.min_tokens_on), mt,
-        HAS_PROMPT=prompt_on, HAS_OUTPUT=output_on, HAS_BIAS=bias is not None,
-        HAS_ALLOWED=procs.allowed is not None, HAS_BANNED=procs.banned is not None,
-        HAS_MIN_TOKENS=procs.min_tokens_on, HAS_GRAMMAR=g is not None, TB=LIST_TILE, BT=BIAS_TILE,
-        num_warps=LIST_WARPS)
+        dummy if table is None else table.rows,
+        HAS_PROMPT=prompt_on, HAS_OUTPUT=output_on, HAS_BIAS=bias_on,
+        HAS_ALLOWED=procs.allowed is not None, HAS_BANNED=banned_on,
+        HAS_MIN_TOKENS=procs.min_tokens_on, HAS_GRAMMAR=g is not None, TABLE=table is not None, TB=LIST_TILE,
+        BT=BIAS_TILE, num_warps=LIST_WARPS)
     return y
 
 
-__all__ = ["PROCESSOR_KEYWORDS", "Processors", "first_true", "process_logits", "ragged_broken", "ragged_error",
-           "row_of"]
+APPEND_BLOCK = 256  # rows a program of _append
+
+
+def append_tokens(table: ListTable, tokens: torch.Tensor, backend: str = "auto") -> None:
+    """Each row's token of ``tokens [B]`` (a drawn token: >= 0) stored after its output list in
+    ``table`` (its length and capacity columns say where, and whether it fits); the table's own
+    lengths are left as they are, for its owner to advance. Triton kernels only."""
+    n_rows = tokens.shape[0]
+    backend = resolve_backend(backend, tokens.device)
+    if n_rows:
+        _append.for_backend(backend)[(triton.cdiv(n_rows, APPEND_BLOCK),)](table.rows, tokens, n_rows,
+                                                                            BLOCK=APPEND_BLOCK)
+
+
+__all__ = ["PROCESSOR_KEYWORDS", "TABLE_LISTS", "ListTable", "Processors", "append_tokens", "first_true",
+           "process_logits", "ragged_broken", "ragged_error", "row_of"]
