@@ -24,6 +24,7 @@ looks only at the expired); a server nobody calls keeps its idle sequences until
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import OrderedDict
@@ -113,19 +114,32 @@ class Sequence:
     def outputs(self) -> torch.Tensor:
         return self.output[:self.output_len]
 
+    def reserve(self) -> int:
+        """Room for one more token in the output (twice the room when full: amortised O(1) a
+        token); the bytes the output grew by. On the launch thread, or on the stream the
+        launches run on (the old buffer is read by the copy)."""
+        if self.output_len < self.output.shape[0]:
+            return 0
+        if self.output.is_cuda:  # freed below while the copy may still read it on this stream
+            self.output.record_stream(torch.cuda.current_stream(self.output.device))
+        bigger = torch.empty(max(16, 2 * self.output_len), dtype=self.output.dtype, device=self.output.device)
+        bigger[:self.output_len] = self.outputs()
+        grown = (bigger.shape[0] - self.output.shape[0]) * ID_BYTES
+        self.output = bigger
+        return grown
+
     def append(self, token: torch.Tensor, value: int) -> int:
         """``token`` (a one-element tensor on the device, whose value is ``value``) appended to
         the output; the bytes the output grew by."""
-        grown = 0
-        if self.output_len == self.output.shape[0]:  # full: twice the room, amortised O(1) a token
-            bigger = torch.empty(max(16, 2 * self.output_len), dtype=self.output.dtype, device=self.output.device)
-            bigger[:self.output_len] = self.outputs()
-            grown = (bigger.shape[0] - self.output.shape[0]) * ID_BYTES
-            self.output = bigger
+        grown = self.reserve()
         self.output[self.output_len:self.output_len + 1] = token
+        self.appended(value)
+        return grown
+
+    def appended(self, value: int) -> None:
+        """Token ``value`` was stored after the output (by the launch: sequences_lists.py)."""
         self.output_len += 1
         self.output_max_id = max(self.output_max_id, value)
-        return grown
 
 
 def not_open(field: str, seq_id: int) -> SequenceNotFound:
@@ -146,6 +160,9 @@ class SequenceTable:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _bytes: int = 0
     expired: int = 0  # sequences closed for idleness since the start
+    # Held by a Sample by sequence ids on the Triton kernels from the reading of its sequences'
+    # state to the count of its tokens (sequences_lists.py): one at a time stores tokens.
+    launch_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def _sweep(self, now: float) -> None:
         """Under the lock: close the sequences idle past ``idle_s`` (the oldest come first)."""
@@ -253,6 +270,22 @@ class SequenceTable:
             if token >= 0:
                 grown.append((seq, seq.append(on_device[row:row + 1], token)))
             seq.step += 1
+        self._count(grown)
+
+    def reserve(self, sequences: list[Sequence]) -> None:
+        """Room for one more token in each of ``sequences``' outputs (:meth:`Sequence.reserve`),
+        the bytes grown counted for those still open."""
+        self._count([(seq, seq.reserve()) for seq in sequences])
+
+    def counted(self, sequences: list[Sequence], tokens: list[int]) -> None:
+        """After a launch that stored each row's token after its output (-1: none): the tokens
+        counted, every step advanced by one."""
+        for seq, token in zip(sequences, tokens):
+            if token >= 0:
+                seq.appended(token)
+            seq.step += 1
+
+    def _count(self, grown: list) -> None:
         with self._lock:
             for seq, nbytes in grown:
                 if nbytes and seq.ended is None:

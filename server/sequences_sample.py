@@ -31,6 +31,7 @@ from logitserve.kernels.sampling.params import MIN_TOKENS, PENALTY_PARAMS, RAGGE
 
 from .regions_servicer import caller
 from .sequences import Sequence, SequenceState, SequenceTable
+from .sequences_lists import TableLaunch
 
 # The SampleRequest fields a sequence's state replaces: with sequence_ids they must be unset.
 REPLACED = (*(f for p in (*SAMPLING_PARAMS.values(), *PENALTY_PARAMS.values(), MIN_TOKENS)
@@ -92,6 +93,32 @@ class SequenceRows:
         if any(state.banned.numel() for state in states):
             kw["banned_token_ids"], kw["banned_offsets"] = _ragged([state.banned for state in states], device)
         return kw
+
+    async def run(self, call, handle, names, launch_processed: Callable) -> tuple[list[int], tuple | None]:
+        """``call`` (a SampleCall of these rows) launched with the sequences' state, each row's
+        token appended and its step advanced: on the Triton kernels through a list table
+        (sequences_lists.py), on the torch backend with the lists gathered (:meth:`launch`).
+        Returns the tokens and the logprobs (host tensors, or None)."""
+        if handle.backend == "torch":
+            tokens, logprobs = await handle.run(self.launch, call, handle, names, launch_processed)
+            return tokens.tolist(), logprobs
+        async with self.table.launch_lock:
+            self.table.check_open(self.sequences, self.path + "sequence_ids")
+            states = [seq.state for seq in self.sequences]  # once: an update replaces it whole
+            _check_vocab(self.sequences, states, self.vocab, self.path)
+            call.use_params(self.params(states))
+            if any(seq.output_len == seq.output.shape[0] for seq in self.sequences):
+                await handle.run(self.table.reserve, self.sequences)  # on the launches' stream
+            launch = TableLaunch(call, handle, names, self.sequences, states)
+            key = launch.key()
+            if key is not None and (not launch.fixed or handle.graphs.seen_again(key)):
+                tokens, = await handle.launch(key, call.rows, launch.stage_for, launch.launch)
+                logprobs = None
+            else:
+                tokens, logprobs = await handle.run(launch.eagerly)
+            tokens = tokens.tolist()
+            self.table.counted(self.sequences, tokens)
+        return tokens, logprobs
 
     def launch(self, call, handle, names, launch_processed: Callable) -> tuple:
         """On the launch thread: ``call`` (a SampleCall of these rows) launched with the

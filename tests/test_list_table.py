@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from logitserve.kernels.sampling.process_kernels import TABLE_COLUMNS
+from logitserve.kernels import sample
 from logitserve.kernels.sampling.processors import ListTable, Processors, append_tokens, process_logits
 from test_sample_processors import features, procs_of, ragged
 
@@ -69,6 +70,26 @@ def test_table_gives_the_ragged_lists_processed_logits(gen):
     want = process_logits(x, procs_of(x, **no_bias), backend="interpret")
     procs.table = ListTable(rows, frozenset(COLUMNS) - {"logit_bias"})
     assert torch.equal(process_logits(x, procs, backend="interpret"), want)
+
+
+def test_sample_takes_a_list_table(gen):
+    n_rows, n_cols = 4, 200
+    x = torch.randn(n_rows, n_cols, generator=gen) * 3
+    kw = features(n_rows, n_cols, gen)
+    rows, held = table_of(kw, n_rows)
+    common = dict(seed=torch.arange(n_rows) + 5, step=3, top_k=30, repetition_penalty=kw["repetition_penalty"],
+                  frequency_penalty=kw["frequency_penalty"], presence_penalty=kw["presence_penalty"],
+                  grammar_bitmask=kw["grammar_bitmask"], logprobs=2, backend="interpret")
+    lists = {k: v for k, v in kw.items() if k not in common}
+    want_tokens, want_lp = sample(x, **common, **lists)
+    got_tokens, got_lp = sample(x, **common, list_table=ListTable(rows, frozenset(COLUMNS)))
+    assert torch.equal(got_tokens, want_tokens)
+    assert torch.equal(got_lp.token_logprobs, want_lp.token_logprobs)  # raw: of the logits as given
+    with pytest.raises(ValueError, match="must not also be given ragged"):
+        sample(x, **common, list_table=ListTable(rows, frozenset(COLUMNS)), banned_token_ids=lists["banned_token_ids"],
+               banned_offsets=lists["banned_offsets"])
+    with pytest.raises(ValueError, match="min_tokens: unset with list_table"):
+        sample(x, **common, list_table=ListTable(rows, frozenset(COLUMNS)), min_tokens=2)
 
 
 def test_table_is_refused_by_the_torch_backend(gen):

@@ -78,8 +78,8 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
            prompt_token_ids=None, prompt_offsets=None, output_token_ids=None, output_offsets=None,
            logit_bias_ids=None, logit_bias_values=None, logit_bias_offsets=None, allowed_token_ids=None,
            allowed_offsets=None, banned_token_ids=None, banned_offsets=None, min_tokens=0, stop_token_ids=None,
-           stop_offsets=None, grammar_bitmask=None, logprobs: int | None = None, logprobs_mode: str = "raw",
-           return_kept: bool = False):
+           stop_offsets=None, grammar_bitmask=None, list_table=None, logprobs: int | None = None,
+           logprobs_mode: str = "raw", return_kept: bool = False):
     """Draw one token id per row of ``logits``.
 
     Parameters
@@ -126,6 +126,10 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     grammar_bitmask : int32 ``(batch_size, ceil(vocab_size / 32))``
         Bit ``t % 32`` of word ``t // 32`` set: token ``t`` allowed (xgrammar's layout). A row
         allowing no finite logit answers -1.
+    list_table : :class:`~.processors.ListTable` or None
+        Each row's prompt, output, bias, banned and stop lists (and min_tokens) held by address,
+        in place of those ragged arguments (which must then be unset): for a caller that keeps
+        each sequence's lists on the device (a server's sequences). Triton kernels only.
     logprobs : None or int in [0, 20]
         Also return a :class:`Logprobs` of the chosen tokens and the top-``logprobs`` tokens
         (``(batch_size, logprobs)`` on every backend; places past the vocabulary: id -1, -inf).
@@ -167,7 +171,7 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     n_rows = logits.shape[0]
     lists = (prompt_token_ids, prompt_offsets, output_token_ids, output_offsets, logit_bias_ids, logit_bias_values,
              logit_bias_offsets, allowed_token_ids, allowed_offsets, banned_token_ids, banned_offsets,
-             stop_token_ids, stop_offsets, grammar_bitmask)
+             stop_token_ids, stop_offsets, grammar_bitmask, list_table)
     # The plain call's check costs a microsecond, not Processors.of's tens.
     plain = lists.count(None) == len(lists) and all(
         type(v) in (int, float) and v == d for v, d in zip((repetition_penalty, frequency_penalty, presence_penalty,
@@ -179,7 +183,7 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
         logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values, logit_bias_offsets=logit_bias_offsets,
         allowed_token_ids=allowed_token_ids, allowed_offsets=allowed_offsets, banned_token_ids=banned_token_ids,
         banned_offsets=banned_offsets, min_tokens=min_tokens, stop_token_ids=stop_token_ids,
-        stop_offsets=stop_offsets, grammar_bitmask=grammar_bitmask)
+        stop_offsets=stop_offsets, grammar_bitmask=grammar_bitmask, list_table=list_table)
     if logprobs is not None:
         check_logprobs(logprobs, logprobs_mode)
         if logprobs_mode == "processed" and random_val is not None:

@@ -55,7 +55,7 @@ class ListTable:
     ``[B, TABLE_COLUMNS]`` on the logits' device, laid out as process_kernels.py's list table;
     ``lists``, the names of :data:`TABLE_LISTS` whose columns are set (the others are not
     read). The addresses must stay valid until the launches that read them finish. For a server
-    that keeps each sequence's lists on the device (server/sequences_table.py): no list is
+    that keeps each sequence's lists on the device (server/sequences_lists.py): no list is
     gathered per call, and a graph captures the launch whatever the lists' lengths. Compiled
     Triton kernels only (the ``triton`` and ``interpret`` backends)."""
 
@@ -144,14 +144,18 @@ class Processors:
             if g.device != device:
                 raise ValueError(f"grammar_bitmask must be on {device}, got {g.device}")
             procs.grammar_bitmask = g.contiguous()
-        if procs.min_tokens_on and procs.output is None:
+        table = kw.pop("list_table")
+        if table is not None:
+            _check_table(table, procs, n_rows, device)
+            procs.table = table
+        elif procs.min_tokens_on and procs.output is None:
             raise ValueError("min_tokens needs output_token_ids and output_offsets (the output's length)")
         assert not kw, kw
         return procs
 
 
 PROCESSOR_KEYWORDS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens",
-                      "logit_bias_values", "grammar_bitmask",
+                      "logit_bias_values", "grammar_bitmask", "list_table",
                       *(name for pair in RAGGED_LISTS.values() for name in pair[:2]))
 
 
@@ -171,6 +175,19 @@ def _check_scalar_or_rows(param: SamplingParam, value, n_rows: int, device) -> N
         raise TypeError(f"{param.name} must be a number or a [batch_size] tensor, got {type(value).__name__}")
     if not param.ok(value):
         raise ValueError(f"{param.name} must be {rule}, got {value}")
+
+
+def _check_table(table, procs: "Processors", n_rows: int, device) -> None:
+    if not isinstance(table, ListTable):
+        raise TypeError(f"list_table must be a ListTable, got {type(table).__name__}")
+    if table.rows.shape[0] != n_rows or table.rows.device != device:
+        raise ValueError(f"list_table: must have {n_rows} rows (batch_size) on {device}, got "
+                         f"{table.rows.shape[0]} on {table.rows.device}")
+    for name in table.lists:
+        if getattr(procs, name) is not None:
+            raise ValueError(f"list_table: holds the {name} lists, which must not also be given ragged")
+    if isinstance(procs.min_tokens, torch.Tensor) or procs.min_tokens != MIN_TOKENS.default:
+        raise ValueError("min_tokens: unset with list_table (the table holds each row's)")
 
 
 def _check_ragged(ids_name, off_name, ids, offsets, n_rows, n_cols, device) -> None:

@@ -93,35 +93,43 @@ def launches_in_place(calls: list, device: torch.device) -> bool:
 
 
 def graph_key(call, handle):
-    """The key of a lone in-place ``call``'s CUDA graph (its op key, then the address, shape and
-    dtype of every input read in place or copied in, contiguous, and the address of every output
-    region), or None where it launches eagerly: no graphs on this device, an input or output in a
-    pageable system region (a graph cannot copy to or from pageable memory) or on another device,
-    or inputs copied in of more than the graphs' ``max_bytes`` (each graph would hold a device
-    copy of them; at that size the copy, not the host's launch work, takes the time)."""
+    """The key of a lone in-place ``call``'s CUDA graph (its op key, then :func:`places`), or None
+    where it launches eagerly: no graphs on this device, or no places."""
     if handle.graphs is None or call.key is None:
         return None
-    places, copied_in = [], 0
-    for t in call.inputs:
+    where = places(call.inputs, call.outputs, handle)
+    return None if where is None else (call.key, "in place", *where)
+
+
+def places(inputs, outputs: "Outputs | None", handle) -> list | None:
+    """What a CUDA graph over ``inputs`` and ``outputs`` holds fixed: the address, shape and dtype
+    of every input read in place or copied in, contiguous, and the address of every output
+    region; or None where a graph cannot serve them: an input or output in a pageable system
+    region (a graph cannot copy to or from pageable memory) or on another device, or inputs
+    copied in of more than the graphs' ``max_bytes`` (each graph would hold a device copy of
+    them; at that size the copy, not the host's launch work, takes the time). Inputs staged
+    (bytes) hold nothing fixed."""
+    where, copied_in = [], 0
+    for t in inputs:
         if type(t) is DeviceTensor:
             if t.tensor.device != handle.device:
                 return None
-            places.append((t.tensor.data_ptr(), t.shape, t.dtype))
+            where.append((t.tensor.data_ptr(), t.shape, t.dtype))
         elif copies_in(t, handle.device):
             copied_in += t.numel() * t.element_size()
             if copied_in > handle.graphs.max_bytes:
                 return None
-            places.append(("host", _pinned(t).data_ptr(), t.shape, t.dtype))
+            where.append(("host", _pinned(t).data_ptr(), t.shape, t.dtype))
         elif t.in_region:
             return None
-    for name in sorted(call.outputs.slots) if call.outputs is not None else ():
-        target = call.outputs.direct(name, handle.device)
+    for name in sorted(outputs.slots) if outputs is not None else ():
+        target = outputs.direct(name, handle.device)
         if target is None:
-            target = call.outputs.pinned(name)
+            target = outputs.pinned(name)
         if target is None:
             return None
-        places.append((name, target.data_ptr()))
-    return (call.key, "in place", *places)
+        where.append((name, target.data_ptr()))
+    return where
 
 
 def device_inputs(handle, *groups: list) -> list[torch.Tensor]:

@@ -226,9 +226,12 @@ class SampleCall:
             results = []
             for c in calls:
                 names = _param_names([c])
-                tokens, lp = await (handle.run(launch_processed, c, handle, names) if c.sequences is None
-                                    else handle.run(c.sequences.launch, c, handle, names, launch_processed))
-                results.append(SampleResult(tokens.tolist(), c.seeds(), c.outputs, written=True, logprobs=lp))
+                if c.sequences is None:
+                    tokens, lp = await handle.run(launch_processed, c, handle, names)
+                    tokens = tokens.tolist()
+                else:
+                    tokens, lp = await c.sequences.run(c, handle, names, launch_processed)
+                results.append(SampleResult(tokens, c.seeds(), c.outputs, written=True, logprobs=lp))
             return results
         if launches_in_place(calls, handle.device):
             key = graph_key(calls[0], handle) if len(calls) == 1 else None

@@ -1,0 +1,172 @@
+"""Sample by sequence ids on the Triton kernels: each row's lists read where its sequence holds
+them, and the drawn tokens appended, in one launch that a CUDA graph replays.
+
+The kernels take the rows' lists as a list table (kernels/sampling/processors.py ``ListTable``):
+a row of addresses and lengths per batch row, pointing at the sequence's own tensors (prompt,
+output, logit bias, banned and stop tokens) and holding its min_tokens and its output's
+capacity. Built on the host from values each sequence keeps at hand (:func:`state_columns`,
+cached per state), staged with the rows' parameters, it replaces the per-call gathering of
+every list (``torch.cat`` over the rows: milliseconds at 256 rows), and the launch no longer
+depends on the lists' lengths: the processors, the draw and ``append_tokens`` (each drawn token
+stored after its row's output) are captured as one CUDA graph per (features, batch bucket,
+logits place), replayed as plain Sample calls are (server/graphs.py).
+
+The host keeps each output's length: before the launch every output has room for one more token
+(:meth:`.sequences.SequenceTable.reserve`), after it each row that drew a token counts it
+(:meth:`.sequences.SequenceTable.counted`). One sequence call at a time goes from the reading of
+its state to that count (``SequenceTable.launch_lock``), so two calls never store a token at the
+same place. The answer equals the stateless call with the same lists (the kernels read the same
+values; tests/test_sequences.py compares them step by step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from logitserve import kernels
+from logitserve.kernels.sampling.params import PENALTY_PARAMS, SEED
+from logitserve.kernels.sampling.processors import ListTable, append_tokens
+
+from .ops.resident import copies_in, on_device, places, reads_in_place
+from .sequences import SequenceState
+from .staging import Staging, to_host
+from .tensors import HostTensor
+
+TABLE_COLUMNS = 13  # kernels/sampling/process_kernels.py's list table
+_OUTPUT, _OUTPUT_CAPACITY = 2, 12
+_PENALTIES = tuple(PENALTY_PARAMS)
+_OUTPUT_ONLY = frozenset({"output"})
+
+
+def state_columns(state: SequenceState) -> tuple[int, ...]:
+    """The list-table columns a sequence's state gives (every one but the output's), computed
+    once per state: a state is replaced whole, never changed."""
+    cached = state.__dict__.get("_columns")
+    if cached is None:
+        def listed(t: torch.Tensor) -> tuple[int, int]:
+            return (t.data_ptr(), t.numel()) if t.numel() else (0, 0)
+
+        cached = (*listed(state.prompt), 0, 0, *listed(state.bias_ids), state.bias_values.data_ptr(),
+                  *listed(state.banned), *listed(state.stop), state.params.min_tokens, 0)
+        state.__dict__["_columns"] = cached  # a frozen dataclass: its own dict holds the cache
+    return cached
+
+
+def lists_of(states: list[SequenceState]) -> tuple[frozenset, bool]:
+    """The lists some row uses (a list no row holds is left out, as a stateless caller leaves
+    it), and whether any row's penalties are on."""
+    params = [state.params for state in states]
+    penalties = any(getattr(p, name) != PENALTY_PARAMS[name].off for p in params for name in _PENALTIES)
+    lists = set()
+    if penalties:
+        lists |= {"prompt", "output"}
+    if any(p.min_tokens > 0 for p in params) and any(state.stop.numel() for state in states):
+        lists |= {"stop", "output"}
+    if any(state.bias_ids.numel() for state in states):
+        lists.add("logit_bias")
+    if any(state.banned.numel() for state in states):
+        lists.add("banned")
+    return frozenset(lists), penalties
+
+
+def table_rows(sequences: list, states: list[SequenceState]) -> HostTensor:
+    """The list table's rows of ``sequences`` (their ``states``, read once), for staging."""
+    table = np.array([state_columns(state) for state in states], dtype=np.int64).reshape(-1, TABLE_COLUMNS)
+    table[:, _OUTPUT] = [seq.output.data_ptr() for seq in sequences]
+    table[:, _OUTPUT + 1] = [seq.output_len for seq in sequences]
+    table[:, _OUTPUT_CAPACITY] = [seq.output.shape[0] for seq in sequences]
+    return HostTensor(table.tobytes(), torch.int64, table.shape)
+
+
+def penalty_rows(states: list[SequenceState]) -> HostTensor:
+    values = np.array([[getattr(state.params, name) for name in _PENALTIES] for state in states], dtype=np.float32)
+    return HostTensor(values.tobytes(), torch.float32, values.shape)
+
+
+class TableLaunch:
+    """A Sample call by sequence ids, its state read (at the launch: :meth:`SequenceRows.run`),
+    as staged parts and a launch function over them."""
+
+    def __init__(self, call, handle, names: tuple[str, ...], sequences: list, states: list[SequenceState]):
+        self.call, self.handle, self.names = call, handle, names
+        self.lists, self.penalties = lists_of(states)
+        self.table = table_rows(sequences, states)
+        self.penalty_values = penalty_rows(states) if self.penalties else None
+        grammar = (call.processors or {}).get("grammar_bitmask")
+        # Each tensor input read where it is (the client's device memory, or copied in from a
+        # page-locked region), or staged.
+        self.fixed = [t for t in (call.logits, grammar) if t is not None and _unstaged(t, handle.device)]
+        self.staged = [t for t in (call.logits, grammar) if t is not None and not _unstaged(t, handle.device)]
+        self.grammar = grammar
+        self.graphed = call.logprobs is None and not call.return_kept
+
+    def key(self):
+        """The key of this launch's CUDA graph, or None where it launches eagerly (no graphs
+        here, logprobs or the kept set asked for, inputs a graph cannot hold: resident.places)."""
+        graphs = self.handle.graphs
+        if graphs is None or not self.graphed:
+            return None
+        where = places(self.fixed, self.call.outputs, self.handle)
+        if where is None:
+            return None
+        logits = self.call.logits
+        return (("sample", "sequences", logits.dtype, logits.shape[1], self.call.filter_order, self.lists,
+                 self.penalties, self.grammar is not None, tuple(t is self.grammar for t in self.staged)), *where)
+
+    def stage_for(self, batch_rows: int) -> Staging:
+        """The staged parts, padded to ``batch_rows``: the rows' float and int parameters, list
+        table and penalties (zero padding: a padding row has top_p 0 and no lists, so it
+        answers -1 and appends nothing), then the staged tensor inputs."""
+        stage = Staging()
+        for part in (*self.call.params, self.table, *(() if self.penalty_values is None else (self.penalty_values,))):
+            stage.add([part], rows=batch_rows, zero_padding=True)
+        for t in self.staged:
+            stage.add([t], rows=batch_rows)
+        return stage
+
+    def launch(self, float_rows, int_rows, table, *rest):
+        """The launch over the staged parts (on the launch thread, or captured): the processors
+        with the list table, the draw, the outputs into their regions, the tokens appended."""
+        call, rows = self.call, self.call.rows
+        rest = list(rest)
+        penalties = rest.pop(0) if self.penalties else None
+        staged = dict(zip(map(id, self.staged), rest))
+
+        def tensor(t):
+            return on_device(t, self.handle.device) if id(t) not in staged else staged[id(t)][:rows]
+
+        params = dict(zip(self.names, (*float_rows[:rows].unbind(1), *int_rows[:rows].unbind(1))))
+        kw = {}
+        if penalties is not None:
+            kw = {name: penalties[:rows, i].contiguous() for i, name in enumerate(_PENALTIES)}
+        if self.grammar is not None:
+            kw["grammar_bitmask"] = tensor(self.grammar).to(torch.int32)
+        if call.logprobs is not None:
+            kw.update(logprobs=call.logprobs, logprobs_mode=call.logprobs_mode)
+        if call.return_kept:
+            kw["return_kept"] = True
+        lists = ListTable(table[:rows], self.lists) if self.lists else None
+        result = kernels.sample(tensor(call.logits), **params, filter_order=call.filter_order,
+                                backend=self.handle.backend, list_table=lists, **kw)
+        tokens, logprobs = result if (call.logprobs is not None or call.return_kept) else (result, None)
+        call.put_outputs(tokens, params[SEED.name])
+        # Every output grows, read by this call's processors or not (a later update may turn
+        # penalties on).
+        append_tokens(ListTable(table[:rows], _OUTPUT_ONLY), tokens, backend=self.handle.backend)
+        self.logprobs = logprobs
+        return (tokens,)
+
+    def eagerly(self) -> tuple[torch.Tensor, tuple | None]:
+        """On the launch thread, without a graph: the tokens on the host, and the logprobs'."""
+        tokens, = self.launch(*self.stage_for(self.call.rows).to(self.handle.device))
+        lp = self.logprobs
+        host_lp = None
+        if lp is not None:
+            host_lp = tuple(None if t is None else to_host(t) for t in (
+                lp.token_logprobs, lp.token_ranks, lp.top_token_ids, lp.top_logprobs, lp.kept_bitmask))
+        return to_host(tokens), host_lp
+
+
+def _unstaged(t, device: torch.device) -> bool:
+    return reads_in_place(t) or copies_in(t, device)
