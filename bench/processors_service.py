@@ -38,6 +38,7 @@ import argparse
 import multiprocessing
 import os
 import queue
+import re
 import shlex
 import signal
 import statistics
@@ -150,6 +151,7 @@ def timed_case(call, check, floor, calls: int, seconds: float) -> dict:
     timed after each call (None: not measured)."""
     for _ in range(WARMUP):
         check(call())
+    window = time.time()
     times, floors, start = [], [], time.perf_counter()
     while len(times) < calls and (len(times) < MIN_CALLS or time.perf_counter() - start < seconds):
         t0 = time.perf_counter()
@@ -162,7 +164,7 @@ def timed_case(call, check, floor, calls: int, seconds: float) -> dict:
             floors.append((time.perf_counter() - t0) * 1e3)
     p90 = statistics.quantiles(times, n=10)[-1] if len(times) > 1 else times[0]
     return dict(calls=len(times), p50=statistics.median(times), p90=p90,
-                floor=statistics.median(floors) if floors else None)
+                floor=statistics.median(floors) if floors else None, window=(window, time.time()))
 
 
 def _inputs(rows: int, vocab: int) -> dict:
@@ -214,7 +216,7 @@ def verify_inputs(client, device: str, b: int, vocab: int, arenas: list) -> tupl
 
 
 def measure(target: str, device: str, rows: int, vocab: int, verify_rows: list[int], calls: int,
-            seconds: float) -> dict:
+            seconds: float, only: str | None = None) -> dict:
     """Every case, in this (client) process: ``{"tree", "device", "cases": {label: result}}``."""
     import torch
 
@@ -227,6 +229,8 @@ def measure(target: str, device: str, rows: int, vocab: int, verify_rows: list[i
     arenas: list[Arena] = []
 
     def run(label: str, n: int, make) -> None:
+        if only is not None and not re.search(only, label):
+            return
         print(f"# {label} ...", file=sys.stderr, flush=True)
         try:
             cases[label] = {"rows": n, **make()}
@@ -348,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkout", help="run the server and the client process from this tree")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for SERVING")
     parser.add_argument("--out", help="also write the report to this file")
+    parser.add_argument("--cases", help="run only the cases whose label this regular expression finds")
+    parser.add_argument("--stack-samples", metavar="FILE",
+                        help="sample the server's threads into FILE (bench.stack_profile); a summary per case follows "
+                             "the table (the profiled figures are not the bench's)")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     rows = args.rows or (256 if cuda else 16)
@@ -365,6 +373,15 @@ def main(argv: list[str] | None = None) -> int:
         site = checkout_site(cwd)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [site, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+    if args.stack_samples:
+        import tempfile
+
+        from .stack_profile import ENV, sitecustomize_dir
+        here_repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        hook = sitecustomize_dir(here_repo, tempfile.mkdtemp(prefix="stack-profile-"))
+        env = dict(env or os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([hook, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+        env[ENV] = os.path.abspath(args.stack_samples)
     spec = ServerSpec("server", serve_argv("--device", args.device, "--backend", args.backend, "--warmup-dtypes",
                                            "float32", "--warmup-widths", str(vocab)), env=env, cwd=cwd)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -373,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     with running(spec, args.startup_timeout) as server:
         startup = time.monotonic() - t0
         measured = in_client_process(site, server.target, args.device, rows, vocab, verify_rows, calls,
-                                     args.case_seconds)
+                                     args.case_seconds, args.cases)
     command = shlex.join(argv if argv is not None else sys.argv[1:])
     lines = [f"# bench.processors_service: {machine_line(args)}, {measured['device']}",
              f"Command: `python -m bench.processors_service {command}`; server and client from {measured['tree']}"
@@ -382,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
              f"p50 at concurrency 1 after {WARMUP} warm-up calls, ms; outputs in regions.", "",
              *table(measured["cases"]), "",
              f"Server SERVING after {startup:.0f} s; whole run {time.monotonic() - t0:.0f} s."]
+    if args.stack_samples:
+        from .stack_profile import summarize
+        for label, case in measured["cases"].items():
+            if "window" in case:
+                lines += ["", f"### server threads during {label}", *summarize(args.stack_samples, *case["window"])]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -65,6 +65,16 @@ def test_answers_equal_the_kernel(client, server, kw):
     assert_equal(got, direct(server, ids.astype(np.int32), target, draft_logits=draft_logits, seed=11, **per_row))
 
 
+def test_rows_without_filters_take_the_lean_launch_with_the_same_answer(client, server):
+    # No row sets a filter: the server passes them to the kernels as off, which skips their
+    # launches; the answer is the full launch's with every filter a per-row tensor that is off.
+    ids, target, _, q = inputs(4, rows=4, n=3, vocab=40)
+    rows = dict(temperature=np.array([0.8, 1.0, 0.0, 1.4], dtype=np.float32), seed=np.arange(4) + 21, step=5)
+    got = client.verify_draft(ids, target, draft_probs=q, **rows, top_k=[0, 0, 40, 99])
+    off = dict(top_k=np.array([0, 0, 40, 99]), top_p=np.ones(4, np.float32), min_p=np.zeros(4, np.float32))
+    assert_equal(got, direct(server, ids, target, draft_probs=q, **rows, **off))
+
+
 def test_drawn_seeds_replay(client):
     ids, target, _, q = inputs(2)
     first = client.verify_draft(ids, target, draft_probs=q, top_p=0.9)

@@ -2,9 +2,14 @@
 and the target's logits, with the target's sampling parameters scalar or per row.
 
 The parameters are Sample's, checked by the same rules (``kernels/sampling/params.py``, through
-``sample._param``); the draft temperature keeps the temperature's rule. Batches launch eagerly
-on the device's launch thread (no CUDA graph): the launch reads ``B (n + 1)`` rows of the
-vocabulary, whose time dwarfs a launch's host cost.
+``sample._param``); the draft temperature keeps the temperature's rule. A launch does only what
+its rows ask: where no row sets top_k, top_p or min_p, the filters go to the kernels as off
+(scalars), which skips their launches (``kernels.verify``: the candidate gather and the
+thresholds) and the filtered walk; calls with and without filters batch apart (``key``).
+
+A lone call whose tensors are all in the client's device memory (or page-locked regions)
+replays a CUDA graph, as Sample's does (server/ops/resident.py: keyed by the places, captured on
+a key's second use); other batches launch eagerly on the device's launch thread.
 """
 
 from __future__ import annotations
@@ -20,11 +25,11 @@ from logitserve.kernels.sampling.params import MIN_P, SEED, STEP, TEMPERATURE, T
 from logitserve.kernels.verify import DRAFT_TEMPERATURE
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..staging import to_host
+from ..staging import Staging, to_host
 from ..tensors import FLOATS, INTS, NOT_IN_PLACE, HostTensor, from_array, tensor_field
 from .batching import split
 from .limits import Limits, answer_bytes
-from .resident import Outputs, device_inputs
+from .resident import Outputs, device_inputs, graph_key, launches_in_place, on_device
 from .sample import WIRE_FILTER_ORDERS, _draw_seeds, _param, _param_rows
 
 # The packed per-row columns, as the launch passes them to kernels.verify: float32, then int64.
@@ -111,10 +116,21 @@ class VerifyDraftCall:
         return self.draft_token_ids.shape[0]
 
     @property
+    def filtered(self) -> bool:
+        """Whether a row sets a filter: top_k in (0, V), top_p below 1, min_p above 0."""
+        def values(name):
+            value = self.values[name]
+            return value if isinstance(value, list) else [value]
+
+        vocab = self.target_logits.shape[2]
+        return any(0 < k < vocab for k in values(TOP_K.name)) or any(p < 1 for p in values(TOP_P.name)) or \
+            any(m > 0 for m in values(MIN_P.name))
+
+    @property
     def key(self):
-        """Calls with equal dtypes, n, V, draft kind and filter order share a launch."""
+        """Calls with equal dtypes, n, V, draft kind, filter order and filtering share a launch."""
         return (self.op, self.draft_token_ids.dtype, self.draft.dtype, self.target_logits.dtype,
-                *self.target_logits.shape[1:], self.from_logits, self.filter_order)
+                *self.target_logits.shape[1:], self.from_logits, self.filter_order, self.filtered)
 
     def seeds(self) -> list[int]:
         seed = self.values["seed"]
@@ -127,23 +143,60 @@ class VerifyDraftCall:
 
     @classmethod
     async def run_batch(cls, calls: list["VerifyDraftCall"], handle) -> list["VerifyDraftResult"]:
+        if len(calls) == 1 and launches_in_place(calls, handle.device):
+            key = graph_key(calls[0], handle)
+            if key is not None and handle.graphs.seen_again(key):
+                return [await _replay_in_place(calls[0], key, handle)]
         return await handle.run(_launch_on_thread, calls, handle)
+
+
+def _verify(first: VerifyDraftCall, ids, draft, target, floats, ints, backend: str):
+    """``kernels.verify`` of a batch of calls like ``first`` over its device tensors; the filters
+    passed as off where no row sets one (``VerifyDraftCall.filtered``)."""
+    params = dict(zip(FLOAT_COLUMNS + INT_COLUMNS, (*floats.unbind(1), *ints.unbind(1))))
+    draft_temperature = params.pop(DRAFT_TEMPERATURE.name)
+    if not first.filtered:
+        params.update({TOP_K.name: 0, TOP_P.name: 1.0, MIN_P.name: 0.0})
+    draft_arg = dict(draft_logits=draft, draft_temperature=draft_temperature) if first.from_logits else \
+        dict(draft_probs=draft)
+    return kernels.verify(ids, target, **draft_arg, **params, filter_order=first.filter_order, backend=backend)
+
+
+async def _replay_in_place(call: VerifyDraftCall, key, handle) -> "VerifyDraftResult":
+    """A lone call on tensors in the client's device memory (or page-locked regions), from the
+    CUDA graph of ``key``: the parameters staged, the outputs named in output_regions written by
+    the graph, the others brought back."""
+    rows = call.rows
+    floats, ints = call.columns()
+
+    def stage_for(batch_rows: int) -> Staging:
+        stage = Staging()
+        stage.add([floats], rows=batch_rows, zero_padding=True)
+        stage.add([ints], rows=batch_rows, zero_padding=True)
+        return stage
+
+    def launch(float_rows, int_rows):
+        ids, draft, target = (on_device(t, handle.device) for t in call.inputs)
+        result = _verify(call, ids, draft, target, float_rows[:rows], int_rows[:rows], handle.backend)
+        written = dict(zip(OUTPUT_NAMES, (*result, int_rows[:rows, INT_COLUMNS.index(SEED.name)])))
+        for name in call.outputs.slots if call.outputs is not None else ():
+            call.outputs.put(name, written[name])
+        return tuple(result)
+
+    outs = await handle.launch(key, rows, stage_for, launch)
+    values = {name: torch.from_numpy(value) for name, value in zip(OUTPUT_NAMES, outs)
+              if call.outputs is None or name not in call.outputs}
+    return VerifyDraftResult(values, call.seeds(), call.outputs)
 
 
 def _launch_on_thread(calls: list[VerifyDraftCall], handle) -> list["VerifyDraftResult"]:
     """On the launch thread: the calls in one launch; each call's outputs put into its regions or
     brought to the host."""
-    first = calls[0]
     columns = [c.columns() for c in calls]
     ids, draft, target, floats, ints = device_inputs(
         handle, [c.draft_token_ids for c in calls], [c.draft for c in calls], [c.target_logits for c in calls],
         [f for f, _ in columns], [i for _, i in columns])
-    params = dict(zip(FLOAT_COLUMNS + INT_COLUMNS, (*floats.unbind(1), *ints.unbind(1))))
-    draft_temperature = params.pop(DRAFT_TEMPERATURE.name)
-    draft_arg = dict(draft_logits=draft, draft_temperature=draft_temperature) if first.from_logits else \
-        dict(draft_probs=draft)
-    result = kernels.verify(ids, target, **draft_arg, **params, filter_order=first.filter_order,
-                            backend=handle.backend)
+    result = _verify(calls[0], ids, draft, target, floats, ints, handle.backend)
     sizes = [c.rows for c in calls]
     results = []
     for c, tokens, accepted, valid in zip(calls, *(split(t, sizes) for t in result)):

@@ -43,10 +43,13 @@ def warmup_calls(dtype: torch.dtype, widths: tuple[int, ...]) -> list[tuple[str,
             target = HostTensor.of(torch.randn(b, WARMUP_DRAFT + 1, w, generator=gen).to(dtype))
             draft = HostTensor.of(torch.randn(b, WARMUP_DRAFT, w, generator=gen).to(dtype))
             values = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.0, draft_temperature=1.0, seed=seeds, step=0)
-            for order, label in (("top_k_first", "verify_draft"), ("joint", "verify_draft joint")):
+            # Filtered calls, in each filter order; then calls without filters (their own launch).
+            unfiltered = dict(values, top_k=0, top_p=1.0)
+            for order, label, v in (("top_k_first", "verify_draft", values), ("joint", "verify_draft joint", values),
+                                    ("top_k_first", "verify_draft unfiltered", unfiltered)):
                 for from_logits in (False, True):  # a draft's probabilities, or its logits
                     cases.append((f"{label} {'logits' if from_logits else 'probs'} {b}x{w}",
-                                  VerifyDraftCall(ids, draft, from_logits, target, values, order)))
+                                  VerifyDraftCall(ids, draft, from_logits, target, v, order)))
     x = HostTensor.of(torch.randn(2, 4, 8, generator=gen).to(dtype))
     cases += [
         ("causal_softmax", CausalSoftmaxCall(x)),
