@@ -61,24 +61,25 @@ RUN set -eux; \
     fi; \
     python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
 
-# The package's dependencies, in a layer of their own that only pyproject.toml invalidates (on
-# Python < 3.11, without tomllib, the next step installs them instead). torch is already here.
+# The package's dependencies, the server extra's with them, in a layer of their own that only
+# pyproject.toml invalidates (on Python < 3.11, without tomllib, the next step installs them
+# instead). torch is already here.
 COPY pyproject.toml /tmp/logitserve-deps/pyproject.toml
 RUN set -eux; \
     for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT; do [ -n "$(printenv "$v")" ] || unset "$v"; done; \
     if python -c 'import tomllib' 2>/dev/null; then \
-        python -c "import tomllib; print(*tomllib.load(open('/tmp/logitserve-deps/pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+        python -c "import tomllib; p = tomllib.load(open('/tmp/logitserve-deps/pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['server'], sep='\n')" \
             > /tmp/logitserve-deps/requirements.txt; \
         PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install -r /tmp/logitserve-deps/requirements.txt; \
     fi; \
     rm -rf /tmp/logitserve-deps
 
-# The package itself, non-editable (pyproject.toml maps kernels/, server/, client/ and
-# protos/logitserve/v1/ onto logitserve.*). The source tree is not kept in the image.
+# The package itself with the server extra, non-editable (pyproject.toml maps kernels/, server/,
+# client/ and protos/logitserve/*/ onto logitserve.*). The source tree is not kept in the image.
 COPY . /tmp/logitserve-src
 RUN set -eux; \
     for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT; do [ -n "$(printenv "$v")" ] || unset "$v"; done; \
-    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install /tmp/logitserve-src; \
+    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install "/tmp/logitserve-src[server]"; \
     rm -rf /tmp/logitserve-src; \
     python -c 'import logitserve.server, logitserve.client, logitserve.kernels'; \
     ln -s "$(python -c 'import logitserve.server.healthcheck as h; print(h.__file__)')" "$VIRTUAL_ENV/healthcheck.py"; \

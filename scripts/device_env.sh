@@ -11,6 +11,7 @@ ln -sfn "$PWD/server" "$site/logitserve/server"
 ln -sfn "$PWD/client" "$site/logitserve/client"
 ln -sfn "$PWD/protos/logitserve/v1" "$site/logitserve/v1"
 ln -sfn "$PWD/protos/logitserve/kserve" "$site/logitserve/kserve"
+ln -sfn "$PWD/protos/logitserve/reflection_v1" "$site/logitserve/reflection_v1"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site/deps" .whl/*.whl || return 1
 fi

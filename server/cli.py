@@ -209,11 +209,26 @@ def parse(argv: list[str] | None = None, environ=os.environ) -> tuple[str, Serve
         parser.error(_in_flag_names(str(exc), argv, environ))
 
 
+def _server_extra_missing() -> str | None:
+    """The first package of the server extra this environment lacks (a client-only install)."""
+    for module in ("torch", "triton", "grpc_health", "grpc_reflection", "prometheus_client"):
+        try:
+            __import__(module)
+        except ModuleNotFoundError:
+            return module
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     command, config = parse(argv)
     if command == "version":
         print(__version__)
         return 0
+    missing = _server_extra_missing()
+    if missing is not None:
+        print(f"logitserve serve: needs the server extra ({missing} is not installed here): "
+              f"pip install 'logitserve[server]'", file=sys.stderr)
+        return 2
     worker = os.environ.get(WORKER_ENV)
     configure(config.log_level, worker=worker if worker is not None else ("supervisor" if config.workers > 1 else None))
     _warn_if_open(config)

@@ -5,7 +5,7 @@ import warnings
 
 from logitserve.kserve import grpc_service_pb2 as logitserve_dot_kserve_dot_grpc__service__pb2
 
-GRPC_GENERATED_VERSION = '1.84.0'
+GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in logitserve/kserve/grpc_service_pb2_grpc.py depends on'
+        + f' but the generated code in logitserve/kserve/grpc_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class GRPCInferenceServiceStub:
+class GRPCInferenceServiceStub(object):
     """The inference service, on the same port as logitserve.v1.LogitServe.
     """
 
@@ -117,7 +117,7 @@ class GRPCInferenceServiceStub:
                 _registered_method=True)
 
 
-class GRPCInferenceServiceServicer:
+class GRPCInferenceServiceServicer(object):
     """The inference service, on the same port as logitserve.v1.LogitServe.
     """
 
@@ -325,7 +325,7 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class GRPCInferenceService:
+class GRPCInferenceService(object):
     """The inference service, on the same port as logitserve.v1.LogitServe.
     """
 

@@ -5,7 +5,7 @@ import warnings
 
 from logitserve.v1 import logitserve_pb2 as logitserve_dot_v1_dot_logitserve__pb2
 
-GRPC_GENERATED_VERSION = '1.84.0'
+GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in logitserve/v1/logitserve_pb2_grpc.py depends on'
+        + f' but the generated code in logitserve/v1/logitserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class LogitServeStub:
+class LogitServeStub(object):
     """One service for every operator. Errors: INVALID_ARGUMENT (a bad request; the message names the
     field and the rule), RESOURCE_EXHAUSTED (queue full, or a request over a configured limit),
     DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE (the server is draining), UNAUTHENTICATED (missing
@@ -103,7 +103,7 @@ class LogitServeStub:
                 _registered_method=True)
 
 
-class LogitServeServicer:
+class LogitServeServicer(object):
     """One service for every operator. Errors: INVALID_ARGUMENT (a bad request; the message names the
     field and the rule), RESOURCE_EXHAUSTED (queue full, or a request over a configured limit),
     DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE (the server is draining), UNAUTHENTICATED (missing
@@ -276,7 +276,7 @@ def add_LogitServeServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class LogitServe:
+class LogitServe(object):
     """One service for every operator. Errors: INVALID_ARGUMENT (a bad request; the message names the
     field and the rule), RESOURCE_EXHAUSTED (queue full, or a request over a configured limit),
     DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE (the server is draining), UNAUTHENTICATED (missing
@@ -611,7 +611,7 @@ class LogitServe:
             _registered_method=True)
 
 
-class SharedMemoryStub:
+class SharedMemoryStub(object):
     """Shared-memory regions: memory a caller shares with the server, registered once and then named
     by Tensors (Tensor.region) and outputs (output_regions) of LogitServe calls, so that tensors
     cross without being copied into messages. The semantics are those of Triton Inference Server's
@@ -653,7 +653,7 @@ class SharedMemoryStub:
                 _registered_method=True)
 
 
-class SharedMemoryServicer:
+class SharedMemoryServicer(object):
     """Shared-memory regions: memory a caller shares with the server, registered once and then named
     by Tensors (Tensor.region) and outputs (output_regions) of LogitServe calls, so that tensors
     cross without being copied into messages. The semantics are those of Triton Inference Server's
@@ -727,7 +727,7 @@ def add_SharedMemoryServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class SharedMemory:
+class SharedMemory(object):
     """Shared-memory regions: memory a caller shares with the server, registered once and then named
     by Tensors (Tensor.region) and outputs (output_regions) of LogitServe calls, so that tensors
     cross without being copied into messages. The semantics are those of Triton Inference Server's
