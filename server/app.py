@@ -16,12 +16,11 @@ import pathlib
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
-from . import kserve, ops, regions_servicer
+from . import kserve, ops, reflection, regions_servicer
 from .auth import TokenStore
 from .batcher import Batcher
 from .busy_poll import BusyPollEventLoop
@@ -131,10 +130,8 @@ class Service:
         regions_servicer.add_to_server(self.regions, guarded)
         kserve.add_to_server(self, guarded)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
-        # What reflection.enable_server_reflection does for a grpc.aio server, through the guard.
-        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-            reflection.aio.ReflectionServicer((SERVICE_NAME, regions_servicer.SERVICE_NAME, kserve.SERVICE_NAME,
-                                               HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)), guarded)
+        reflection.add_to_server((SERVICE_NAME, regions_servicer.SERVICE_NAME, kserve.SERVICE_NAME,
+                                  HEALTH_SERVICE_NAME), guarded)
         host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
         address = f"{host}:{config.port}"
         try:
