@@ -79,9 +79,10 @@ def table_rows(sequences: list, states: list[SequenceState]) -> HostTensor:
     return HostTensor(table.tobytes(), torch.int64, table.shape)
 
 
-def penalty_rows(states: list[SequenceState]) -> HostTensor:
-    values = np.array([[getattr(state.params, name) for name in _PENALTIES] for state in states], dtype=np.float32)
-    return HostTensor(values.tobytes(), torch.float32, values.shape)
+def penalty_rows(states: list[SequenceState]) -> list[HostTensor]:
+    """Each penalty's per-row values, one part each (a kernel reads each contiguous)."""
+    values = np.array([[getattr(state.params, name) for state in states] for name in _PENALTIES], dtype=np.float32)
+    return [HostTensor(row.tobytes(), torch.float32, row.shape) for row in values]
 
 
 class TableLaunch:
@@ -119,7 +120,7 @@ class TableLaunch:
         table and penalties (zero padding: a padding row has top_p 0 and no lists, so it
         answers -1 and appends nothing), then the staged tensor inputs."""
         stage = Staging()
-        for part in (*self.call.params, self.table, *(() if self.penalty_values is None else (self.penalty_values,))):
+        for part in (*self.call.params, self.table, *(self.penalty_values or ())):
             stage.add([part], rows=batch_rows, zero_padding=True)
         for t in self.staged:
             stage.add([t], rows=batch_rows)
@@ -129,9 +130,8 @@ class TableLaunch:
         """The launch over the staged parts (on the launch thread, or captured): the processors
         with the list table, the draw, the outputs into their regions, the tokens appended."""
         call, rows = self.call, self.call.rows
-        rest = list(rest)
-        penalties = rest.pop(0) if self.penalties else None
-        staged = dict(zip(map(id, self.staged), rest))
+        penalties = rest[:len(_PENALTIES)] if self.penalties else None
+        staged = dict(zip(map(id, self.staged), rest[len(penalties or ()):]))
 
         def tensor(t):
             return on_device(t, self.handle.device) if id(t) not in staged else staged[id(t)][:rows]
@@ -139,7 +139,7 @@ class TableLaunch:
         params = dict(zip(self.names, (*float_rows[:rows].unbind(1), *int_rows[:rows].unbind(1))))
         kw = {}
         if penalties is not None:
-            kw = {name: penalties[:rows, i].contiguous() for i, name in enumerate(_PENALTIES)}
+            kw = {name: values[:rows] for name, values in zip(_PENALTIES, penalties)}
         if self.grammar is not None:
             kw["grammar_bitmask"] = tensor(self.grammar).to(torch.int32)
         if call.logprobs is not None:

@@ -90,14 +90,24 @@ def interpreted():
         yield s
 
 
-@pytest.mark.parametrize("backend,steps", [("torch", 50), ("interpret", 50)])
-def test_a_decode_equals_the_stateless_calls_step_by_step(request, backend, steps):
-    target = request.getfixturevalue("server" if backend == "torch" else "interpreted")
-    with Client(target.target) as client:
-        _decode(client, steps)
+@pytest.fixture(scope="module")
+def on_cuda():
+    """A server on the compiled Triton kernels: the list table's launches replay CUDA graphs."""
+    with ServerThread(_config(device="cuda:0", backend="triton")) as s:
+        yield s
 
 
-def _decode(client, steps):
+@pytest.mark.parametrize("backend", ["torch", "interpret", pytest.param("triton", marks=pytest.mark.cuda)])
+def test_a_decode_equals_the_stateless_calls_step_by_step(request, backend):
+    target = request.getfixturevalue({"torch": "server", "interpret": "interpreted", "triton": "on_cuda"}[backend])
+    with Client(target.target, timeout=300) as client:
+        decode(client, steps=50)
+        if backend == "triton":  # every step after the first of each batch size replayed a graph
+            assert target.service.handle.graphs.replays > 0
+
+
+def decode(client, steps):
+    """A decode of ROWS by sequence ids, each step's tokens checked against the stateless call's."""
     gen = torch.Generator().manual_seed(5)
     states: dict[int, dict] = {}  # open row -> its state as the test follows it
     drawn = {row: [] for row in range(len(ROWS))}

@@ -148,8 +148,8 @@ class SampleCall:
         if msg.filter_order not in WIRE_FILTER_ORDERS:
             raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
         values = {p.name: _param(msg, p, rows, path, regions) for p in _CHECKED}
-        if values["seed"] is None:
-            values["seed"] = _draw_seeds(rows)
+        if values["seed"] is None:  # drawn, unless the rows' sequences hold them (set at the launch)
+            values["seed"] = 0 if named is not None else _draw_seeds(rows)
         shapes = {"token_ids": (torch.int64, (rows,)), "seeds": (torch.int64, (rows,)), "valid": (torch.bool, (rows,))}
         outputs = Outputs.of(msg, "Sample", regions, path, shapes)
         processors, checks, n_logprobs, logprobs_mode = parse_processors(msg, rows, vocab, path, regions, _param,
