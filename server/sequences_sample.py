@@ -123,14 +123,14 @@ class SequenceRows:
     def launch(self, call, handle, names, launch_processed: Callable) -> tuple:
         """On the launch thread: ``call`` (a SampleCall of these rows) launched with the
         sequences' state by ``launch_processed``; then each row's token appended, its step
-        advanced. Returns what ``launch_processed`` does."""
+        advanced. Returns the tokens and logprobs (host tensors, or None)."""
         self.table.check_open(self.sequences, self.path + "sequence_ids")
         states = [seq.state for seq in self.sequences]  # once: an update replaces it whole
         # Again: a call meanwhile may have appended, an update have given longer lists.
         _check_vocab(self.sequences, states, self.vocab, self.path)
         call.use_params(self.params(states))
         call.processors = {**(call.processors or {}), **self.processors(states, handle.device)}
-        tokens, logprobs = launch_processed(call, handle, names)
+        tokens, logprobs, _ = launch_processed(call, handle, names)  # no list of a region to check
         if tokens.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # to_host's copy: the values are read here
         self.table.advance(self.sequences, tokens.tolist(), tokens.to(handle.device))

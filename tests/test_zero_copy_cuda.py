@@ -269,3 +269,50 @@ def test_a_reused_device_buffer_replays_a_graph_that_follows_each_call(alice):
             assert arena.read(answer.valid, refs["valid"], torch.bool).all(), f"call {i}"
         else:
             np.testing.assert_array_equal(value(answer.seeds), seeds.numpy())
+
+
+def test_processor_lists_in_device_memory_are_checked_in_the_launch(alice):
+    # Penalty lists, a logit bias and a grammar bitmask read where the client put them; their
+    # checks run in the launch (server/ops/processor_checks.py): a broken list answers
+    # INVALID_ARGUMENT naming the field, the row and the rule, and the next call is served.
+    arena, rows, vocab = alice.arena, 3, 1000
+    logits = logits_of(rows, vocab, 4)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, vocab, (rows * 7,), generator=g)
+    prompt_off = torch.arange(0, rows * 7 + 1, 7)
+    bias_ids, bias_off = torch.tensor([1, 2, 3, 500]), torch.tensor([0, 2, 3, 4])
+    bias_values = torch.tensor([5.0, -1.0, 2.0, 9.0])
+    bitmask = torch.randint(-2**31, 2**31, (rows, (vocab + 31) // 32), generator=g, dtype=torch.int32)
+    seeds = torch.tensor([7, 8, 9])
+    kw = dict(repetition_penalty=1.3, temperature=0.9, top_k=40)
+
+    def request(**lists):
+        fields = dict(prompt_token_ids=prompt, prompt_offsets=prompt_off, logit_bias_ids=bias_ids,
+                      logit_bias_offsets=bias_off, logit_bias_values=bias_values, grammar_bitmask=bitmask, **lists)
+        return pb.SampleRequest(logits=arena.put(logits), seed_rows=arena.put(seeds),
+                                **{k: arena.put(v) for k, v in fields.items()}, **kw)
+
+    answer = alice.Sample(request())
+    expect = kernels.sample(logits, **kw, seed=seeds.to(DEVICE), prompt_token_ids=prompt.to(DEVICE),
+                            prompt_offsets=prompt_off.to(DEVICE), logit_bias_ids=bias_ids.to(DEVICE),
+                            logit_bias_offsets=bias_off.to(DEVICE), logit_bias_values=bias_values.to(DEVICE),
+                            grammar_bitmask=bitmask.to(DEVICE), backend="triton")
+    np.testing.assert_array_equal(value(answer.token_ids), expect.cpu().numpy())
+    broken_ids = prompt.clone()
+    broken_ids[9] = vocab
+    for lists, words in ((dict(prompt_token_ids=broken_ids), f"prompt_token_ids: must be in [0, {vocab})"),
+                         (dict(prompt_offsets=torch.tensor([0, 9, 8, 21])), "prompt_offsets: must not decrease"),
+                         (dict(logit_bias_values=torch.tensor([1.0, float("nan"), 0.0, 0.0])),
+                          "logit_bias_values[1]: must be finite")):
+        with pytest.raises(grpc.RpcError) as info:
+            alice.Sample(request(**lists))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details(), \
+            info.value.details()
+    assert "row 1" in _details(alice, request(prompt_token_ids=broken_ids))
+    np.testing.assert_array_equal(value(alice.Sample(request()).token_ids), expect.cpu().numpy())
+
+
+def _details(caller, request) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        caller.Sample(request)
+    return info.value.details()

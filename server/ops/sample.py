@@ -122,6 +122,7 @@ class SampleCall:
     # queues (:meth:`checked`).
     processors: dict | None = None
     checks: BulkChecks | None = None
+    device_checks: BulkChecks | None = None  # those of fields in CUDA regions: run in the launch
     logprobs: int | None = None
     logprobs_mode: str = "raw"
     return_kept: bool = False
@@ -154,11 +155,13 @@ class SampleCall:
         outputs = Outputs.of(msg, "Sample", regions, path, shapes)
         processors, checks, n_logprobs, logprobs_mode = parse_processors(msg, rows, vocab, path, regions, _param,
                                                                          in_place)
+        checks, device_checks = checks.split() if checks is not None else (None, None)
         size = answer_bytes(pb.SampleResponse, {**shapes, **_logprobs_shapes(rows, vocab, n_logprobs, msg.return_kept)},
                             outputs)
         limits.check_answer(f"{path}logits", size)
         call = cls(logits=logits, filter_order=WIRE_FILTER_ORDERS[msg.filter_order], outputs=outputs,
-                   regions=regions, answer_size=size, processors=processors, checks=checks, logprobs=n_logprobs,
+                   regions=regions, answer_size=size, processors=processors, checks=checks,
+                   device_checks=device_checks, logprobs=n_logprobs,
                    logprobs_mode=logprobs_mode, return_kept=msg.return_kept, sequences=named, **values)
         if call.random_val is not None and _any_nonzero(call.min_p):
             raise ValueError(f"{path}min_p: must be 0 with random_val (InfiniCore's random_sample has no min-p)")
@@ -227,7 +230,9 @@ class SampleCall:
             for c in calls:
                 names = _param_names([c])
                 if c.sequences is None:
-                    tokens, lp = await handle.run(launch_processed, c, handle, names)
+                    tokens, lp, broken = await handle.run(launch_processed, c, handle, names)
+                    if broken is not None and broken.item():  # a field in a CUDA region breaks a rule
+                        raise ValueError(await handle.run(c.device_checks.error))
                     tokens = tokens.tolist()
                 else:
                     tokens, lp = await c.sequences.run(c, handle, names, launch_processed)

@@ -147,13 +147,16 @@ def kernel_keywords(processors: dict, device: torch.device) -> dict:
 
 
 def launch_processed(call, handle, names) -> tuple:
-    """On the launch thread: one call with processors or logprobs, alone. Returns
-    ``(token ids on the host, logprobs as host tensors or None)``."""
+    """On the launch thread: one call with processors or logprobs, alone. Returns ``(token ids
+    on the host, logprobs as host tensors or None, whether a field in a CUDA region breaks a rule
+    (a host bool tensor) or None)``: those fields' checks queue ahead of the kernels
+    (processor_checks.py), whose clamping makes any list safe to read."""
     from .resident import device_inputs
     from ..staging import to_host
 
     logits, floats, ints = device_inputs(handle, [call.logits], [call.params[0]], [call.params[1]])
     params = dict(zip(names, (*floats.unbind(1), *ints.unbind(1))))
+    broken = None if call.device_checks is None else call.device_checks.in_launch()
     procs = kernel_keywords(call.processors or {}, logits.device)
     extra = {} if call.logprobs is None else dict(logprobs=call.logprobs, logprobs_mode=call.logprobs_mode)
     if call.return_kept:
@@ -165,4 +168,4 @@ def launch_processed(call, handle, names) -> tuple:
     if lp is not None:
         host_lp = tuple(None if t is None else t.cpu() for t in (lp.token_logprobs, lp.token_ranks, lp.top_token_ids,
                                                                   lp.top_logprobs, lp.kept_bitmask))
-    return to_host(tokens), host_lp
+    return to_host(tokens), host_lp, None if broken is None else to_host(broken)
