@@ -88,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         with torch.cuda.stream(stream):
             fn()
             stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=True)  # keeps the cudaGraph_t its nodes are counted in
             with torch.cuda.graph(graph, stream=stream):
                 fn()
+            graph.instantiate()
             host, eager = [], []
             for _ in range(REPLAYS):
                 stream.synchronize()

@@ -101,6 +101,9 @@ class TableLaunch:
         self.staged = [t for t in (call.logits, grammar) if t is not None and not _unstaged(t, handle.device)]
         self.grammar = grammar
         self.graphed = call.logprobs is None and not call.return_kept
+        # Launched over exactly the call's rows where a tensor or an output is in place (its
+        # size is the call's), else over every staged row of the bucket.
+        self.exact = bool(self.fixed) or call.outputs is not None
 
     def key(self):
         """The key of this launch's CUDA graph, or None where it launches eagerly (no graphs
@@ -113,7 +116,8 @@ class TableLaunch:
             return None
         logits = self.call.logits
         return (("sample", "sequences", logits.dtype, logits.shape[1], self.call.filter_order, self.lists,
-                 self.penalties, self.grammar is not None, tuple(t is self.grammar for t in self.staged)), *where)
+                 self.penalties, self.grammar is not None, tuple(t is self.grammar for t in self.staged),
+                 self.call.rows if self.exact else None), *where)
 
     def stage_for(self, batch_rows: int) -> Staging:
         """The staged parts, padded to ``batch_rows``: the rows' float and int parameters, list
@@ -128,8 +132,12 @@ class TableLaunch:
 
     def launch(self, float_rows, int_rows, table, *rest):
         """The launch over the staged parts (on the launch thread, or captured): the processors
-        with the list table, the draw, the outputs into their regions, the tokens appended."""
-        call, rows = self.call, self.call.rows
+        with the list table, the draw, the outputs into their regions, the tokens appended. Over
+        the call's rows where a tensor or an output is in place (the rows are in the graph's
+        key), else over every staged row: a graph serves every batch of its bucket, its padding
+        rows drawing nothing (top_p 0) and appending nothing (no output room)."""
+        call = self.call
+        rows = call.rows if self.exact else float_rows.shape[0]
         penalties = rest[:len(_PENALTIES)] if self.penalties else None
         staged = dict(zip(map(id, self.staged), rest[len(penalties or ()):]))
 
