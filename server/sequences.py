@@ -25,6 +25,7 @@ looks only at the expired); a server nobody calls keeps its idle sequences until
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -79,7 +80,7 @@ class SequenceState:
     stop: torch.Tensor
     max_ids: dict  # each list's largest token id (-1: none), by attribute name ("prompt", "bias_ids"...)
 
-    @property
+    @functools.cached_property
     def max_id(self) -> int:
         return max(self.max_ids.values(), default=-1)
 
@@ -102,6 +103,16 @@ class Sequence:
     last_used: float = 0.0
     ended: str | None = None  # why it is no longer open ("closed", "expired"); None while open
     counted: int = 0  # the bytes the table counts for it (its nbytes, but for growth after it ended)
+    # The output buffer's address and room, kept beside it: a list table row reads them each call.
+    output_address: int = field(init=False, default=0)
+    output_capacity: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        self._keep_output(self.output)
+
+    def _keep_output(self, output: torch.Tensor) -> None:
+        self.output = output
+        self.output_address, self.output_capacity = output.data_ptr(), output.shape[0]
 
     @property
     def params(self) -> SequenceParams:
@@ -125,7 +136,7 @@ class Sequence:
         bigger = torch.empty(max(16, 2 * self.output_len), dtype=self.output.dtype, device=self.output.device)
         bigger[:self.output_len] = self.outputs()
         grown = (bigger.shape[0] - self.output.shape[0]) * ID_BYTES
-        self.output = bigger
+        self._keep_output(bigger)
         return grown
 
     def append(self, token: torch.Tensor, value: int) -> int:

@@ -4,7 +4,7 @@ them, and the drawn tokens appended, in one launch that a CUDA graph replays.
 The kernels take the rows' lists as a list table (kernels/sampling/processors.py ``ListTable``):
 a row of addresses and lengths per batch row, pointing at the sequence's own tensors (prompt,
 output, logit bias, banned and stop tokens) and holding its min_tokens and its output's
-capacity. Built on the host from values each sequence keeps at hand (:func:`state_columns`,
+capacity. Built on the host from values each sequence keeps at hand (:class:`StateRows`,
 cached per state), staged with the rows' parameters, it replaces the per-call gathering of
 every list (``torch.cat`` over the rows: milliseconds at 256 rows), and the launch no longer
 depends on the lists' lengths: the processors, the draw and ``append_tokens`` (each drawn token
@@ -21,11 +21,13 @@ values; tests/test_sequences.py compares them step by step).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from logitserve import kernels
-from logitserve.kernels.sampling.params import PENALTY_PARAMS, SEED
+from logitserve.kernels.sampling.params import FLOAT_PARAMS, INT_PARAMS, PENALTY_PARAMS, SEED, STEP
 from logitserve.kernels.sampling.processors import ListTable, append_tokens
 
 from .ops.resident import copies_in, on_device, places, reads_in_place
@@ -39,61 +41,96 @@ _PENALTIES = tuple(PENALTY_PARAMS)
 _OUTPUT_ONLY = frozenset({"output"})
 
 
-def state_columns(state: SequenceState) -> tuple[int, ...]:
-    """The list-table columns a sequence's state gives (every one but the output's), computed
-    once per state: a state is replaced whole, never changed."""
-    cached = state.__dict__.get("_columns")
-    if cached is None:
+@dataclass(frozen=True)
+class StateRows:
+    """What a sequence's state gives each call's staged parts, as bytes computed once per state
+    (a state is replaced whole, never changed; a call joins its rows' bytes, where building
+    arrays row by row cost 0.5 ms at 256 rows): its list-table row (every column but the
+    output's), its penalties, its sampling parameters as the kernels' float and int columns (the
+    step is the sequence's), and which lists it holds."""
+
+    table: bytes  # int64 [TABLE_COLUMNS]
+    penalties: bytes  # float32 [3]
+    floats: bytes  # float32 [len(FLOAT_PARAMS)]
+    ints: bytes  # int64 [len(INT_PARAMS)], the step 0
+    lists: frozenset  # of TABLE_LISTS, the output's aside
+    penalties_on: bool
+
+    @classmethod
+    def of(cls, state: SequenceState) -> "StateRows":
+        cached = state.__dict__.get("_rows")
+        if cached is not None:
+            return cached
+
         def listed(t: torch.Tensor) -> tuple[int, int]:
             return (t.data_ptr(), t.numel()) if t.numel() else (0, 0)
 
-        cached = (*listed(state.prompt), 0, 0, *listed(state.bias_ids), state.bias_values.data_ptr(),
-                  *listed(state.banned), *listed(state.stop), state.params.min_tokens, 0)
-        state.__dict__["_columns"] = cached  # a frozen dataclass: its own dict holds the cache
-    return cached
+        p = state.params
+        table = [*listed(state.prompt), 0, 0, *listed(state.bias_ids), state.bias_values.data_ptr(),
+                 *listed(state.banned), *listed(state.stop), p.min_tokens, 0]
+        penalties_on = any(getattr(p, name) != PENALTY_PARAMS[name].off for name in _PENALTIES)
+        lists = {name for name, held in (("logit_bias", state.bias_ids.numel()), ("banned", state.banned.numel()),
+                                         ("stop", p.min_tokens > 0 and state.stop.numel())) if held}
+        rows = cls(np.array(table, dtype=np.int64).tobytes(),
+                   np.array([getattr(p, name) for name in _PENALTIES], dtype=np.float32).tobytes(),
+                   np.array([getattr(p, name) for name in FLOAT_PARAMS], dtype=np.float32).tobytes(),
+                   np.array([0 if name == STEP.name else getattr(p, name) for name in INT_PARAMS],
+                            dtype=np.int64).tobytes(),
+                   frozenset(lists), penalties_on)
+        state.__dict__["_rows"] = rows  # a frozen dataclass: its own dict holds the cache
+        return rows
 
 
-def lists_of(states: list[SequenceState]) -> tuple[frozenset, bool]:
+def _joined(rows: list[StateRows], attr: str, dtype) -> np.ndarray:
+    """The rows' ``attr`` bytes as one array ``[len(rows), -1]`` (a copy, writable)."""
+    return np.frombuffer(b"".join(getattr(r, attr) for r in rows), dtype=dtype).reshape(len(rows), -1).copy()
+
+
+def lists_of(rows: list[StateRows]) -> tuple[frozenset, bool]:
     """The lists some row uses (a list no row holds is left out, as a stateless caller leaves
-    it), and whether any row's penalties are on."""
-    params = [state.params for state in states]
-    penalties = any(getattr(p, name) != PENALTY_PARAMS[name].off for p in params for name in _PENALTIES)
-    lists = set()
+    it; the output goes with the penalties and with min_tokens), and whether any row's
+    penalties are on."""
+    lists = frozenset().union(*(r.lists for r in rows))
+    penalties = any(r.penalties_on for r in rows)
     if penalties:
         lists |= {"prompt", "output"}
-    if any(p.min_tokens > 0 for p in params) and any(state.stop.numel() for state in states):
-        lists |= {"stop", "output"}
-    if any(state.bias_ids.numel() for state in states):
-        lists.add("logit_bias")
-    if any(state.banned.numel() for state in states):
-        lists.add("banned")
-    return frozenset(lists), penalties
+    if "stop" in lists:
+        lists |= {"output"}
+    return lists, penalties
 
 
-def table_rows(sequences: list, states: list[SequenceState]) -> HostTensor:
-    """The list table's rows of ``sequences`` (their ``states``, read once), for staging."""
-    table = np.array([state_columns(state) for state in states], dtype=np.int64).reshape(-1, TABLE_COLUMNS)
-    table[:, _OUTPUT] = [seq.output.data_ptr() for seq in sequences]
+def table_rows(sequences: list, rows: list[StateRows]) -> HostTensor:
+    """The list table's rows of ``sequences`` (their states' ``rows``), for staging."""
+    table = _joined(rows, "table", np.int64)
+    table[:, _OUTPUT] = [seq.output_address for seq in sequences]
     table[:, _OUTPUT + 1] = [seq.output_len for seq in sequences]
-    table[:, _OUTPUT_CAPACITY] = [seq.output.shape[0] for seq in sequences]
+    table[:, _OUTPUT_CAPACITY] = [seq.output_capacity for seq in sequences]
     return HostTensor(table.tobytes(), torch.int64, table.shape)
 
 
-def penalty_rows(states: list[SequenceState]) -> list[HostTensor]:
+def penalty_rows(rows: list[StateRows]) -> list[HostTensor]:
     """Each penalty's per-row values, one part each (a kernel reads each contiguous)."""
-    values = np.array([[getattr(state.params, name) for state in states] for name in _PENALTIES], dtype=np.float32)
+    values = np.ascontiguousarray(_joined(rows, "penalties", np.float32).T)
     return [HostTensor(row.tobytes(), torch.float32, row.shape) for row in values]
+
+
+def param_rows(sequences: list, rows: list[StateRows]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' sampling parameters as the kernels' float32 and int64 columns, each row's step
+    its sequence's."""
+    ints = _joined(rows, "ints", np.int64)
+    ints[:, INT_PARAMS.index(STEP.name)] = [seq.step for seq in sequences]
+    return _joined(rows, "floats", np.float32), ints
 
 
 class TableLaunch:
     """A Sample call by sequence ids, its state read (at the launch: :meth:`SequenceRows.run`),
     as staged parts and a launch function over them."""
 
-    def __init__(self, call, handle, names: tuple[str, ...], sequences: list, states: list[SequenceState]):
+    def __init__(self, call, handle, names: tuple[str, ...], sequences: list, rows: list[StateRows]):
         self.call, self.handle, self.names = call, handle, names
-        self.lists, self.penalties = lists_of(states)
-        self.table = table_rows(sequences, states)
-        self.penalty_values = penalty_rows(states) if self.penalties else None
+        self.lists, self.penalties = lists_of(rows)
+        self.table = table_rows(sequences, rows)
+        self.penalty_values = penalty_rows(rows) if self.penalties else None
         grammar = (call.processors or {}).get("grammar_bitmask")
         # Each tensor input read where it is (the client's device memory, or copied in from a
         # page-locked region), or staged.

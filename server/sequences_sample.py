@@ -31,7 +31,7 @@ from logitserve.kernels.sampling.params import MIN_TOKENS, PENALTY_PARAMS, RAGGE
 
 from .regions_servicer import caller
 from .sequences import Sequence, SequenceState, SequenceTable
-from .sequences_lists import TableLaunch
+from .sequences_lists import StateRows, TableLaunch, param_rows
 
 # The SampleRequest fields a sequence's state replaces: with sequence_ids they must be unset.
 REPLACED = (*(f for p in (*SAMPLING_PARAMS.values(), *PENALTY_PARAMS.values(), MIN_TOKENS)
@@ -63,14 +63,6 @@ class SequenceRows:
     sequences: list[Sequence]
     vocab: int
     path: str
-
-    def params(self, states: list[SequenceState]) -> dict[str, list]:
-        """The rows' sampling parameters (``states``: theirs, read once), as per-row values
-        (``SampleCall.use_params``)."""
-        rows = [state.params for state in states]
-        return {"temperature": [p.temperature for p in rows], "top_k": [p.top_k for p in rows],
-                "top_p": [p.top_p for p in rows], "min_p": [p.min_p for p in rows],
-                "seed": [p.seed for p in rows], "step": [seq.step for seq in self.sequences]}
 
     def processors(self, states: list[SequenceState], device: torch.device) -> dict:
         """The kernels' processor keywords of the rows' state (``states``, read once), on ``device``."""
@@ -106,10 +98,11 @@ class SequenceRows:
             self.table.check_open(self.sequences, self.path + "sequence_ids")
             states = [seq.state for seq in self.sequences]  # once: an update replaces it whole
             _check_vocab(self.sequences, states, self.vocab, self.path)
-            call.use_params(self.params(states))
-            if any(seq.output_len == seq.output.shape[0] for seq in self.sequences):
+            rows = [StateRows.of(state) for state in states]
+            call.use_rows(*param_rows(self.sequences, rows))
+            if any(seq.output_len == seq.output_capacity for seq in self.sequences):
                 await handle.run(self.table.reserve, self.sequences)  # on the launches' stream
-            launch = TableLaunch(call, handle, names, self.sequences, states)
+            launch = TableLaunch(call, handle, names, self.sequences, rows)
             key = launch.key()
             if key is not None and (not launch.fixed or handle.graphs.seen_again(key)):
                 tokens, = await handle.launch(key, call.rows, launch.stage_for, launch.launch)
@@ -128,7 +121,7 @@ class SequenceRows:
         states = [seq.state for seq in self.sequences]  # once: an update replaces it whole
         # Again: a call meanwhile may have appended, an update have given longer lists.
         _check_vocab(self.sequences, states, self.vocab, self.path)
-        call.use_params(self.params(states))
+        call.use_rows(*param_rows(self.sequences, [StateRows.of(state) for state in states]))
         call.processors = {**(call.processors or {}), **self.processors(states, handle.device)}
         tokens, logprobs, _ = launch_processed(call, handle, names)  # no list of a region to check
         if tokens.device.type == "cuda":
@@ -152,11 +145,12 @@ class SequenceLookup:
         if len(ids) != rows:
             raise ValueError(f"{name}: must have one id per logits row ({rows}), got {len(ids)}: every row of a "
                              f"call names a sequence, or none does")
-        first: dict[int, int] = {}
-        for row, seq_id in enumerate(ids):
-            if first.setdefault(seq_id, row) != row:
-                raise ValueError(f"{name}[{row}]: sequence {seq_id} is named twice in one call (also {name}"
-                                 f"[{first[seq_id]}]); a sequence draws one token a call")
+        if len(set(ids)) != len(ids):
+            first: dict[int, int] = {}
+            for row, seq_id in enumerate(ids):
+                if first.setdefault(seq_id, row) != row:
+                    raise ValueError(f"{name}[{row}]: sequence {seq_id} is named twice in one call (also {name}"
+                                     f"[{first[seq_id]}]); a sequence draws one token a call")
         for field in REPLACED:
             if msg.HasField(field):
                 raise ValueError(f"{path}{field}: must be unset with sequence_ids (each row's sequence holds its "

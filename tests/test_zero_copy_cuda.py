@@ -287,8 +287,8 @@ def test_processor_lists_in_device_memory_are_checked_in_the_launch(alice):
     kw = dict(repetition_penalty=1.3, temperature=0.9, top_k=40)
 
     def request(**lists):
-        fields = dict(prompt_token_ids=prompt, prompt_offsets=prompt_off, logit_bias_ids=bias_ids,
-                      logit_bias_offsets=bias_off, logit_bias_values=bias_values, grammar_bitmask=bitmask, **lists)
+        fields = {**dict(prompt_token_ids=prompt, prompt_offsets=prompt_off, logit_bias_ids=bias_ids,
+                         logit_bias_offsets=bias_off, logit_bias_values=bias_values, grammar_bitmask=bitmask), **lists}
         return pb.SampleRequest(logits=arena.put(logits), seed_rows=arena.put(seeds),
                                 **{k: arena.put(v) for k, v in fields.items()}, **kw)
 

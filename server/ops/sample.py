@@ -204,12 +204,13 @@ class SampleCall:
             if name in self.outputs:
                 self.outputs.put(name, value)
 
-    def use_params(self, values: dict[str, Param]) -> None:
-        """On the launch thread: the sampling parameters ``values`` (a sequence call's, from its
-        state) in place of the call's, packed again."""
-        for name, value in values.items():
-            setattr(self, name, value)
-        self.__post_init__()
+    def use_rows(self, floats, ints) -> None:
+        """At a sequence call's launch: its rows' parameters, from their state, in place of the
+        call's: numpy float32 ``[rows, len(FLOAT_PARAMS)]`` and int64 ``[rows, len(INT_PARAMS)]``
+        columns, as :attr:`params` packs them."""
+        self.seed = ints[:, INT_PARAMS.index(SEED.name)].tolist()
+        self.params = (HostTensor(floats.tobytes(), torch.float32, floats.shape),
+                       HostTensor(ints.tobytes(), torch.int64, ints.shape))
 
     def __post_init__(self):
         floats = [getattr(self, name) for name in FLOAT_PARAMS]
