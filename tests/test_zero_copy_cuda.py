@@ -316,3 +316,35 @@ def _details(caller, request) -> str:
     with pytest.raises(grpc.RpcError) as info:
         caller.Sample(request)
     return info.value.details()
+
+
+def test_verify_draft_in_device_memory_replays_a_graph_and_checks_the_draft(alice, server):
+    # Every tensor and output in device memory: a lone call replays a graph from its key's second
+    # use, and answers what the kernel gives; a draft token outside [0, V) is refused in the
+    # launch (its check reads the ids where they lie).
+    arena, b, n, vocab = alice.arena, 3, 2, 500
+    target = logits_of(b * (n + 1), vocab, 11).reshape(b, n + 1, vocab)
+    probs = torch.softmax(logits_of(b * n, vocab, 12).reshape(b, n, vocab), -1)
+    ids = probs.argmax(-1)
+    seeds = torch.tensor([5, 6, 7])
+    refs = {"token_ids": arena.out(torch.int64, (b, n + 1)), "num_accepted": arena.out(torch.int64, (b,))}
+
+    def request(draft_ids):
+        return pb.VerifyDraftRequest(draft_token_ids=arena.put(draft_ids), target_logits=arena.put(target),
+                                     draft_probs=arena.put(probs), seed_rows=arena.put(seeds), temperature=1.0,
+                                     output_regions=refs)
+
+    want = kernels.verify(ids, target, draft_probs=probs, seed=seeds.to(DEVICE), backend="triton")
+    good = request(ids)
+    for _ in range(3):  # eager, captured, replayed
+        answer = alice.VerifyDraft(good)
+        assert torch.equal(arena.read(answer.token_ids, refs["token_ids"], torch.int64), want.token_ids)
+        assert torch.equal(arena.read(answer.num_accepted, refs["num_accepted"], torch.int64), want.num_accepted)
+    bad = ids.clone()
+    bad[2, 1] = vocab
+    bad_request = request(bad)
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as info:
+            alice.VerifyDraft(bad_request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"draft_token_ids[2, 1]: must be in [0, V) with V = {vocab}" in info.value.details()

@@ -26,7 +26,7 @@ from logitserve.kernels.verify import DRAFT_TEMPERATURE
 from logitserve.v1 import logitserve_pb2 as pb
 
 from ..staging import Staging, to_host
-from ..tensors import FLOATS, INTS, NOT_IN_PLACE, HostTensor, from_array, tensor_field
+from ..tensors import FLOATS, INTS, NOT_IN_PLACE, DeviceTensor, HostTensor, from_array, tensor_field
 from .batching import split
 from .limits import Limits, answer_bytes
 from .resident import Outputs, device_inputs, graph_key, launches_in_place, on_device
@@ -93,7 +93,8 @@ class VerifyDraftCall:
         from_logits = draft_name == "draft_logits"
         if not from_logits and (msg.HasField("draft_temperature") or msg.HasField("draft_temperature_rows")):
             raise ValueError(f"{path}draft_temperature: applies only with draft_logits")
-        _check_ids(ids, vocab, f"{path}draft_token_ids")
+        if type(ids) is not DeviceTensor:  # in the client's device memory: checked in the launch
+            _check_ids(ids, vocab, f"{path}draft_token_ids")
         if msg.filter_order not in WIRE_FILTER_ORDERS:
             raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
         values = {p.name: _param(msg, p, rows, path, regions)
@@ -175,15 +176,21 @@ async def _replay_in_place(call: VerifyDraftCall, key, handle) -> "VerifyDraftRe
         stage.add([ints], rows=batch_rows, zero_padding=True)
         return stage
 
+    vocab = call.target_logits.shape[2]
+
     def launch(float_rows, int_rows):
         ids, draft, target = (on_device(t, handle.device) for t in call.inputs)
         result = _verify(call, ids, draft, target, float_rows[:rows], int_rows[:rows], handle.backend)
         written = dict(zip(OUTPUT_NAMES, (*result, int_rows[:rows, INT_COLUMNS.index(SEED.name)])))
         for name in call.outputs.slots if call.outputs is not None else ():
             call.outputs.put(name, written[name])
-        return tuple(result)
+        # The draft tokens' check (from_pb leaves ids in device memory to the launch): read back
+        # with the outputs. The kernels answer a row with an id outside [0, V) invalid.
+        return (*result, ((ids < 0) | (ids >= vocab)).any().reshape(1))
 
-    outs = await handle.launch(key, rows, stage_for, launch)
+    *outs, broken = await handle.launch(key, rows, stage_for, launch)
+    if broken[0]:
+        await handle.run(_check_ids, call.draft_token_ids, vocab, "draft_token_ids")
     values = {name: torch.from_numpy(value) for name, value in zip(OUTPUT_NAMES, outs)
               if call.outputs is None or name not in call.outputs}
     return VerifyDraftResult(values, call.seeds(), call.outputs)
@@ -192,6 +199,9 @@ async def _replay_in_place(call: VerifyDraftCall, key, handle) -> "VerifyDraftRe
 def _launch_on_thread(calls: list[VerifyDraftCall], handle) -> list["VerifyDraftResult"]:
     """On the launch thread: the calls in one launch; each call's outputs put into its regions or
     brought to the host."""
+    for c in calls:  # draft tokens in device memory, which from_pb left to the launch
+        if type(c.draft_token_ids) is DeviceTensor:
+            _check_ids(c.draft_token_ids, c.target_logits.shape[2], "draft_token_ids")
     columns = [c.columns() for c in calls]
     ids, draft, target, floats, ints = device_inputs(
         handle, [c.draft_token_ids for c in calls], [c.draft for c in calls], [c.target_logits for c in calls],
