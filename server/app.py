@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pathlib
 
 import grpc
@@ -25,12 +26,13 @@ from .auth import TokenStore
 from .batcher import Batcher
 from .busy_poll import BusyPollEventLoop
 from .config import ServerConfig
-from .device import DeviceHandle
+from .device import TRITON_WARMUP_WIDTHS, DeviceHandle
 from .guard import Guard, GuardedRegistrar, status_for
 from .held import HeldAnswers
 from .logs import get_logger, log_event
 from .metrics import Metrics
 from .occupancy import Occupancy
+from .precompile import precompile
 from .regions import RegionRegistry
 from .sequences import SequenceTable
 from .servicer import LogitServeServicer, request_parsers
@@ -75,6 +77,9 @@ class Service:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.version = __version__
+        if config.compile_cache_dir is not None:  # before anything compiles; warm-up's processes inherit it
+            os.makedirs(config.compile_cache_dir, exist_ok=True)
+            os.environ["TRITON_CACHE_DIR"] = config.compile_cache_dir
         self.limits = ops.Limits(max_rows=config.max_rows, max_vocab=config.max_vocab,
                                  max_output_bytes=config.max_message_bytes)
         try:
@@ -168,9 +173,15 @@ class Service:
                   busy_poll_us=busy_poll_us, **self.handle.properties)
 
     async def warm_up(self) -> None:
-        """Compile the kernels for the configured dtypes, then report SERVING."""
-        dtypes = tuple(_DTYPES_BY_NAME[name] for name in self.config.warmup_dtypes)
-        await self.handle.warm_up(dtypes, ops.warmup_calls, self.config.warmup_widths)
+        """Compile the kernels for the configured dtypes (on the Triton backend in parallel
+        processes first: server/precompile.py), then report SERVING."""
+        config = self.config
+        dtypes = tuple(_DTYPES_BY_NAME[name] for name in config.warmup_dtypes)
+        if self.handle.backend == "triton" and dtypes:
+            widths = config.warmup_widths or TRITON_WARMUP_WIDTHS
+            await asyncio.to_thread(precompile, str(self.handle.device), self.handle.backend, config.warmup_dtypes,
+                                    widths, config.compile_processes)
+        await self.handle.warm_up(dtypes, ops.warmup_calls, config.warmup_widths)
         if not self.draining and not self.device_lost:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -54,6 +54,15 @@ def _width_list(text: str) -> tuple[int, ...] | None:
         raise argparse.ArgumentTypeError(f"{text!r}: must be 'auto' or comma-separated integers") from None
 
 
+def _auto_int(text: str) -> int | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 'auto' or an integer") from None
+
+
 def _switch(text: str) -> bool:
     value = text.strip().lower()
     if value in ("on", "true", "1", "yes"):
@@ -83,6 +92,10 @@ FLAGS = (
      "comma-separated dtypes compiled before SERVING ('none' for none)"),
     ("--warmup-widths", _width_list, "auto", "comma-separated row widths (vocabularies) compiled before SERVING "
      "(auto: 32000,128256,151936 with triton, 64 otherwise)"),
+    ("--compile-processes", _auto_int, "auto", "processes compiling warm-up's kernels side by side before SERVING "
+     "(auto: one per dtype and width, at most half the cores; 0: the server alone)"),
+    ("--compile-cache-dir", str, None, "Triton's compiled-kernel cache (TRITON_CACHE_DIR; default ~/.triton/cache): "
+     "keep it across restarts, e.g. on a volume, and warm-up loads instead of compiling"),
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key of --tls-cert"),
     ("--tls-client-ca", str, None, "PEM CA bundle: require client certificates it signed (mutual TLS)"),

@@ -52,6 +52,13 @@ class ServerConfig:
     # width served but not warmed compiles during its first calls (seconds each). None: the
     # backend's own list (server/device.py: Llama 2, Llama 3 and Qwen 2 vocabularies on triton).
     warmup_widths: tuple[int, ...] | None = None
+    # Processes that compile warm-up's kernels side by side before the server's own warm-up
+    # (server/precompile.py; Triton backend only). None: one per (dtype, width), at most half the
+    # cores; 0 or 1: the server compiles alone.
+    compile_processes: int | None = None
+    # Triton's on-disk cache of compiled kernels (TRITON_CACHE_DIR; None: Triton's default,
+    # ~/.triton/cache): a directory kept across restarts (a container volume) makes warm-up a load.
+    compile_cache_dir: str | None = None
     # TLS: server certificate chain and key (PEM files); with a client CA, clients must present
     # a certificate it signed (mutual TLS).
     tls_cert: str | None = None
@@ -136,6 +143,8 @@ class ServerConfig:
         unknown = [d for d in self.warmup_dtypes if d not in FLOAT_DTYPE_NAMES]
         if unknown:
             raise ValueError(f"warmup_dtypes: {unknown} not in {', '.join(FLOAT_DTYPE_NAMES)}")
+        if self.compile_processes is not None and self.compile_processes < 0:
+            raise ValueError(f"compile_processes: must be >= 0 (or auto), got {self.compile_processes}")
         if self.warmup_widths is not None and not all(1 <= w <= self.max_vocab for w in self.warmup_widths):
             raise ValueError(f"warmup_widths: each must be in [1, max_vocab = {self.max_vocab}], "
                              f"got {list(self.warmup_widths)}")
