@@ -93,7 +93,7 @@ FLAGS = (
     ("--warmup-widths", _width_list, "auto", "comma-separated row widths (vocabularies) compiled before SERVING "
      "(auto: 32000,128256,151936 with triton, 64 otherwise)"),
     ("--compile-processes", _auto_int, "auto", "processes compiling warm-up's kernels side by side before SERVING "
-     "(auto: one per dtype and width, at most half the cores; 0: the server alone)"),
+     "(auto: one per dtype and width, a core left over; 0: the server alone)"),
     ("--compile-cache-dir", str, None, "Triton's compiled-kernel cache (TRITON_CACHE_DIR; default ~/.triton/cache): "
      "keep it across restarts, e.g. on a volume, and warm-up loads instead of compiling"),
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
