@@ -49,11 +49,12 @@ import traceback
 
 import numpy as np
 
+from .processors_checks import EXPERTS, TOP_EXPERTS, check_route, check_sample, check_verify
 from .servers import ServerSpec, running, serve_argv
 
 PARAMS = dict(temperature=0.8, top_k=50, top_p=0.9)
 PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2)
-PROMPT_LEN, OUTPUT_LEN, BIAS_PER_ROW, DRAFT_N, EXPERTS, TOP_EXPERTS = 256, 1024, 8, 4, 8, 2
+PROMPT_LEN, OUTPUT_LEN, BIAS_PER_ROW, DRAFT_N = 256, 1024, 8, 4
 WARMUP = 5
 MIN_CALLS = 10  # timed calls a case makes even past --case-seconds
 ALIGN = 256  # each tensor of an arena starts at a multiple of this
@@ -61,10 +62,6 @@ SEQUENCE_ID_BASE = 33_000
 
 
 # --------------------------------------------------------------------------- client process
-
-
-def _numpy(x) -> np.ndarray:
-    return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
 
 
 class Arena:
@@ -110,40 +107,6 @@ def _outputs(rows: int, extra: dict | None = None) -> dict:
 
     return {"token_ids": torch.zeros(rows, dtype=torch.int64), "seeds": torch.zeros(rows, dtype=torch.int64),
             "valid": torch.zeros(rows, dtype=torch.bool), **(extra or {})}
-
-
-def check_sample(result, rows: int, vocab: int, bitmask: np.ndarray | None = None) -> None:
-    tokens, valid = _numpy(result.token_ids), _numpy(result.valid)
-    if tokens.shape != (rows,) or not ((tokens >= 0) & (tokens < vocab)).all():
-        raise AssertionError(f"token_ids: expected {rows} in [0, {vocab}), got shape {tokens.shape}, {tokens[:8]}")
-    if not valid.all():
-        raise AssertionError(f"valid: {int((~valid).sum())} rows false")
-    if bitmask is not None:
-        allowed = (bitmask[np.arange(rows), tokens // 32] >> (tokens % 32)) & 1
-        if not allowed.all():
-            raise AssertionError(f"token_ids: {int((allowed == 0).sum())} rows drew a token the grammar bitmask masks")
-
-
-def check_verify(result, draft: np.ndarray, vocab: int) -> None:
-    tokens, accepted, valid = _numpy(result.token_ids), _numpy(result.num_accepted), _numpy(result.valid)
-    b, n = draft.shape
-    if tokens.shape != (b, n + 1) or not ((accepted >= 0) & (accepted <= n)).all():
-        raise AssertionError(f"VerifyDraft: token_ids {tokens.shape}, num_accepted {accepted[:8]} (n {n})")
-    cols = np.arange(n + 1)[None, :]
-    live = cols <= accepted[:, None]
-    if not np.where(live, (tokens >= 0) & (tokens < vocab), tokens == -1).all():
-        raise AssertionError(f"VerifyDraft: token_ids outside [0, {vocab}) before the end or not -1 after it")
-    if not np.where(cols[:, :n] < accepted[:, None], tokens[:, :n] == draft, True).all():
-        raise AssertionError("VerifyDraft: an accepted token differs from the draft")
-    if not valid.all():
-        raise AssertionError(f"valid: {int((~valid).sum())} rows false")
-
-
-def check_route(answer) -> None:
-    weights, experts = (_numpy(a) for a in answer)
-    if experts.shape != (1, TOP_EXPERTS) or not ((experts >= 0) & (experts < EXPERTS)).all() \
-            or len(set(experts[0].tolist())) != TOP_EXPERTS or not np.isfinite(weights).all():
-        raise AssertionError(f"RouteExperts: experts {experts}, weights {weights}")
 
 
 def timed_case(call, check, floor, calls: int, seconds: float) -> dict:
