@@ -11,6 +11,9 @@ import torch
 
 from logitserve.client import Client
 
+# A line while a test runs long and the slowest files at the end (tests/progress.py).
+pytest_plugins = ["progress"]
+
 HAS_CUDA = torch.cuda.is_available()
 
 # Backends the kernel tests run on this machine, each with the device its tensors live on.
