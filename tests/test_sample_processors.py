@@ -366,7 +366,7 @@ def test_kernels_compile_for_sm90():
     from triton.compiler import ASTSource
 
     from logitserve.kernels.sampling.logprobs import _lp_chunks, _lp_merge
-    from logitserve.kernels.sampling.process_kernels import _dense, _lists
+    from logitserve.kernels.sampling.process_kernels import _append, _dense, _lists
 
     def build(kernel, types, constexprs, num_warps=8):
         fn = kernel._jit_fn
@@ -381,10 +381,12 @@ def test_kernels_compile_for_sm90():
     ptypes = dict(dtypes, rep_ptr="*fp32", freq_ptr="*fp32", pres_ptr="*fp32", p_ids="*i64", p_off="*i64",
                   o_ids="*i64", o_off="*i64", b_ids="*i64", b_vals="*fp32", b_off="*i64", a_ids="*i32",
                   a_off="*i32", n_ids="*i32", n_off="*i32", s_ids="*i64", s_off="*i64", mt_ptr="*i64",
-                  **{f"{x}_n": "i32" for x in "pobans"})
+                  tab_ptr="*i64", **{f"{x}_n": "i32" for x in "pobans"})
     flags = ("HAS_PROMPT", "HAS_OUTPUT", "HAS_BIAS", "HAS_ALLOWED", "HAS_BANNED", "HAS_MIN_TOKENS", "HAS_GRAMMAR")
-    for on in (set(flags), {"HAS_ALLOWED", "HAS_GRAMMAR"}, {"HAS_PROMPT"}, {"HAS_BIAS"}):
-        build(_lists, ptypes, {**{f: f in on for f in flags}, "TB": 1024, "BT": 64}, num_warps=4)
+    for on in (set(flags), {"HAS_ALLOWED", "HAS_GRAMMAR"}, {"HAS_PROMPT"}, {"HAS_BIAS"},
+               set(flags) - {"HAS_ALLOWED"} | {"TABLE"}):  # the list table: every list it holds, by address
+        build(_lists, ptypes, {**{f: f in on for f in (*flags, "TABLE")}, "TB": 1024, "BT": 64}, num_warps=4)
+    build(_append, dict(tab_ptr="*i64", tokens_ptr="*i64", n_rows="i32"), dict(BLOCK=256), num_warps=4)
     ctypes = dict(part_ptr="*fp32", above_ptr="*i32", gv_ptr="*fp32", gi_ptr="*i32", tok_ptr="*i64",
                   x_ptr="*fp32", x_rs="i32", x_cs="i32", n_cols="i32", n_chunks="i32")
     mtypes = dict(ctypes, lp_ptr="*fp32", rank_ptr="*i64", top_i_ptr="*i64", top_lp_ptr="*fp32")
