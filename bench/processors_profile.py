@@ -1,12 +1,12 @@
 """Where a server spends a processors call's host time: cProfile on its event loop and on its
 launch thread while a client process repeats one ``bench.processors_service`` case.
 
-    python -m bench.processors_profile [--case regions|sequences|plain|verify] [--calls 200] [--top 25]
+    python -m bench.processors_profile [--case regions|sequences|plain|verify] [--thread loop|launch] [--calls 200]
 
 The server runs in this process (``ServerThread``, cuda:0, warm-up of float32 at 128256 only), the
-client in a spawned one, so that CUDA IPC regions work as in the service bench. Each thread's
-profile is enabled on that thread after the client's warm-up calls and printed sorted by own
-time and by cumulative time. cProfile's overhead grows with the number of Python calls: read
+client in a spawned one, so that CUDA IPC regions work as in the service bench. The profile is
+enabled on the thread profiled after the client's warm-up calls and printed sorted by own time
+and by cumulative time. cProfile's overhead grows with the number of Python calls: read
 the shares and call counts, not the absolute times. Needs a CUDA device.
 """
 
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", choices=CASES, default="regions")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--thread", choices=("loop", "launch"), default="loop",
+                        help="the thread profiled: the event loop or the device's launch thread")
     args = parser.parse_args(argv)
     import torch
 
@@ -107,20 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     with ServerThread(config, start_timeout=900) as server:
         client = ctx.Process(target=_client, args=(server.target, args.case, args.calls, ready, go, done))
         client.start()
-        ready.wait(600)
-        loop_profile, launch_profile = cProfile.Profile(), cProfile.Profile()
-        handle = server.service.handle
-        # Each profile on its own thread: the event loop's, and the device's launch thread.
-        server.run(_on_loop(loop_profile.enable))
-        server.run(handle.submit(launch_profile.enable))
-        go.set()
-        done.wait(600)
-        server.run(_on_loop(loop_profile.disable))
-        server.run(handle.submit(launch_profile.disable))
-        client.join(60)
-    print(f"# bench.processors_profile --case {args.case}: {torch.cuda.get_device_name()}")
-    print(_report(loop_profile, "event loop", args.calls, args.top))
-    print(_report(launch_profile, "launch thread", args.calls, args.top))
+        try:
+            ready.wait(600)
+            profile = cProfile.Profile()
+            # On the thread profiled (one profiler at a time in a process since Python 3.12).
+            on_thread = _on_loop if args.thread == "loop" else server.service.handle.submit
+            server.run(on_thread(profile.enable))
+            go.set()
+            done.wait(600)
+            server.run(on_thread(profile.disable))
+        finally:
+            go.set()
+            client.join(60)
+            if client.is_alive():
+                client.terminate()
+    print(f"# bench.processors_profile --case {args.case} --thread {args.thread}: {torch.cuda.get_device_name()}")
+    print(_report(profile, f"{args.thread} thread", args.calls, args.top))
     return 0
 
 
