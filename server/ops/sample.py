@@ -6,26 +6,22 @@ The parameters' names, defaults, valid ranges and rules come from one table,
 
 from __future__ import annotations
 
-import math
-import secrets
-import struct
 from dataclasses import dataclass, field
-from typing import Mapping, Union
+from typing import Mapping
 
 import torch
 
 from logitserve import kernels
-from logitserve.kernels.sampling.params import (FILTER_ORDERS, FLOAT_PARAMS, INT_PARAMS, RANDOM_VAL, SAMPLING_PARAMS,
-                                                SEED, SEED_BITS)
+from logitserve.kernels.sampling.params import FILTER_ORDERS, FLOAT_PARAMS, INT_PARAMS, RANDOM_VAL, SAMPLING_PARAMS, SEED
 from logitserve.v1 import logitserve_pb2 as pb
 
 from ..staging import Staging, to_host
-from ..tensors import (FLOATS, INTS, NOT_IN_PLACE, PB_DTYPES, HostTensor, from_torch, pack, rows_values,
-                       tensor_field)
+from ..tensors import FLOATS, NOT_IN_PLACE, PB_DTYPES, HostTensor, from_torch, pack, tensor_field
 from .batching import split, split_rows
 from .limits import Limits, answer_bytes
-from .processor_checks import BulkChecks, in_float32
+from .processor_checks import BulkChecks
 from .resident import Outputs, device_inputs, graph_key, launches_in_place, on_device
+from .sample_params import Param, draw_seeds, param_rows, wire_param
 from .sample_processors import launch_processed
 from .sample_processors import parse as parse_processors
 
@@ -33,66 +29,12 @@ from .sample_processors import parse as parse_processors
 WIRE_FILTER_ORDERS = {pb.FILTER_ORDER_UNSPECIFIED: FILTER_ORDERS[0],
                       **{pb.FilterOrder.Value(f"FILTER_ORDER_{name.upper()}"): name for name in FILTER_ORDERS}}
 
-Param = Union[int, float, list]  # a scalar, or one value per row
-
 # The order from_pb checks the parameters in, which names the first broken one: seed, then the
 # table's order.
 LOGPROBS_FIELDS = ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")
 _CHECKED = (SEED, *(p for p in SAMPLING_PARAMS.values() if p is not SEED))
-_FLOAT32 = struct.Struct("f")
-
-
-def _as_float32(value: float) -> float:
-    """``value`` rounded to float32, as the kernels read it (beyond float32's range: infinity)."""
-    try:
-        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
-    except OverflowError:
-        return math.copysign(math.inf, value)
-
-
-def _check_values(name: str, values: list, ok, rule: str, convert=None) -> None:
-    for i, v in enumerate(values):
-        if not ok(v if convert is None else convert(v)):
-            raise ValueError(f"{name}[{i}]: {rule}, got {v}")
-
-
-def _param(msg, param, rows: int, path: str, regions=None) -> Param | None:
-    """A sampling parameter from its scalar field or its per-row tensor ``<name>_rows``; unset,
-    its default. A float must keep its rule in float32 too, the precision the kernels read it in
-    (a temperature of 1e300 is inf there, a top_p of 1e-300 is 0)."""
-    floats = param.kind is float
-    if msg.HasField(param.rows_field):
-        name = path + param.rows_field
-        values = rows_values(getattr(msg, param.rows_field), name, rows,
-                             dtypes=(torch.float32, torch.float64) if floats else INTS, regions=regions)
-        _check_values(name, values, param.ok, f"must be {param.rule}")
-        if floats:
-            _check_values(name, values, param.ok, in_float32(param), _as_float32)
-        return values
-    if not msg.HasField(param.name):
-        return param.default
-    value = getattr(msg, param.name)
-    if not param.ok(value):
-        raise ValueError(f"{path}{param.name}: must be {param.rule}, got {value}")
-    if floats and not param.ok(_as_float32(value)):
-        raise ValueError(f"{path}{param.name}: {in_float32(param)}, got {value}")
-    return value
-
-
-def _draw_seeds(rows: int) -> list[int]:
-    return [secrets.randbits(SEED_BITS) for _ in range(rows)]
-
-
 def _any_nonzero(value: Param) -> bool:
     return any(v != 0 for v in value) if isinstance(value, list) else value != 0
-
-
-def _param_rows(columns: list[Param], rows: int, dtype: torch.dtype) -> HostTensor:
-    """``columns`` (each a scalar or one value per row) as a ``[rows, len(columns)]`` tensor."""
-    if list not in map(type, columns):
-        return HostTensor(pack(columns, dtype) * rows, dtype, (rows, len(columns)))
-    per_row = zip(*(c if type(c) is list else (c,) * rows for c in columns))
-    return HostTensor(pack([v for row in per_row for v in row], dtype), dtype, (rows, len(columns)))
 
 
 @dataclass(eq=False)
@@ -148,12 +90,12 @@ class SampleCall:
             named = sequences.rows(msg, rows, vocab, path)
         if msg.filter_order not in WIRE_FILTER_ORDERS:
             raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
-        values = {p.name: _param(msg, p, rows, path, regions) for p in _CHECKED}
+        values = {p.name: wire_param(msg, p, rows, path, regions) for p in _CHECKED}
         if values["seed"] is None:  # drawn, unless the rows' sequences hold them (set at the launch)
-            values["seed"] = 0 if named is not None else _draw_seeds(rows)
+            values["seed"] = 0 if named is not None else draw_seeds(rows)
         shapes = {"token_ids": (torch.int64, (rows,)), "seeds": (torch.int64, (rows,)), "valid": (torch.bool, (rows,))}
         outputs = Outputs.of(msg, "Sample", regions, path, shapes)
-        processors, checks, n_logprobs, logprobs_mode = parse_processors(msg, rows, vocab, path, regions, _param,
+        processors, checks, n_logprobs, logprobs_mode = parse_processors(msg, rows, vocab, path, regions, wire_param,
                                                                          in_place)
         checks, device_checks = checks.split() if checks is not None else (None, None)
         size = answer_bytes(pb.SampleResponse, {**shapes, **_logprobs_shapes(rows, vocab, n_logprobs, msg.return_kept)},
@@ -216,8 +158,8 @@ class SampleCall:
         floats = [getattr(self, name) for name in FLOAT_PARAMS]
         if self.random_val is not None:
             floats.append(self.random_val)
-        self.params = (_param_rows(floats, self.rows, torch.float32),
-                       _param_rows([getattr(self, name) for name in INT_PARAMS], self.rows, torch.int64))
+        self.params = (param_rows(floats, self.rows, torch.float32),
+                       param_rows([getattr(self, name) for name in INT_PARAMS], self.rows, torch.int64))
 
     @property
     def parts(self) -> tuple[HostTensor, HostTensor, HostTensor]:

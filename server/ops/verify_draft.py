@@ -2,7 +2,7 @@
 and the target's logits, with the target's sampling parameters scalar or per row.
 
 The parameters are Sample's, checked by the same rules (``kernels/sampling/params.py``, through
-``sample._param``); the draft temperature keeps the temperature's rule. A launch does only what
+``sample_params.wire_param``); the draft temperature keeps the temperature's rule. A launch does only what
 its rows ask: where no row sets top_k, top_p or min_p, the filters go to the kernels as off
 (scalars), which skips their launches (``kernels.verify``: the candidate gather and the
 thresholds) and the filtered walk; calls with and without filters batch apart (``key``).
@@ -30,7 +30,8 @@ from ..tensors import FLOATS, INTS, NOT_IN_PLACE, DeviceTensor, HostTensor, from
 from .batching import split
 from .limits import Limits, answer_bytes
 from .resident import Outputs, device_inputs, graph_key, launches_in_place, on_device
-from .sample import WIRE_FILTER_ORDERS, _draw_seeds, _param, _param_rows
+from .sample import WIRE_FILTER_ORDERS
+from .sample_params import draw_seeds, param_rows, wire_param
 
 # The packed per-row columns, as the launch passes them to kernels.verify: float32, then int64.
 FLOAT_COLUMNS = (TEMPERATURE.name, TOP_P.name, MIN_P.name, DRAFT_TEMPERATURE.name)
@@ -97,10 +98,10 @@ class VerifyDraftCall:
             _check_ids(ids, vocab, f"{path}draft_token_ids")
         if msg.filter_order not in WIRE_FILTER_ORDERS:
             raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
-        values = {p.name: _param(msg, p, rows, path, regions)
+        values = {p.name: wire_param(msg, p, rows, path, regions)
                   for p in (SEED, TEMPERATURE, TOP_K, TOP_P, MIN_P, STEP, DRAFT_TEMPERATURE)}
         if values["seed"] is None:
-            values["seed"] = _draw_seeds(rows)
+            values["seed"] = draw_seeds(rows)
         shapes = _shapes(rows, n)
         outputs = Outputs.of(msg, "VerifyDraft", regions, path, shapes)
         size = answer_bytes(pb.VerifyDraftResponse, shapes, outputs)
@@ -139,8 +140,8 @@ class VerifyDraftCall:
 
     def columns(self) -> tuple[HostTensor, HostTensor]:
         """The parameters as per-row float32 and int64 columns (``FLOAT_COLUMNS``, ``INT_COLUMNS``)."""
-        return (_param_rows([self.values[name] for name in FLOAT_COLUMNS], self.rows, torch.float32),
-                _param_rows([self.values[name] for name in INT_COLUMNS], self.rows, torch.int64))
+        return (param_rows([self.values[name] for name in FLOAT_COLUMNS], self.rows, torch.float32),
+                param_rows([self.values[name] for name in INT_COLUMNS], self.rows, torch.int64))
 
     @classmethod
     async def run_batch(cls, calls: list["VerifyDraftCall"], handle) -> list["VerifyDraftResult"]:

@@ -1,0 +1,79 @@
+"""The sampling parameters of a request: each a scalar field or a per-row tensor ``<name>_rows``,
+checked by the rules of ``kernels/sampling/params.py`` (per-row values at once, with numpy), and
+packed into the per-row float32 and int64 columns the kernels read. Sample and VerifyDraft take
+them alike."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import struct
+from typing import Union
+
+import numpy as np
+import torch
+
+from logitserve.kernels.sampling.params import SEED_BITS
+
+from ..tensors import INTS, HostTensor, pack, rows_values
+from .processor_checks import in_float32
+
+Param = Union[int, float, list]  # a scalar, or one value per row
+
+_FLOAT32 = struct.Struct("f")
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to float32, as the kernels read it (beyond float32's range: infinity)."""
+    try:
+        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _check_values(name: str, values: list, ok, rule: str, dtype=None) -> None:
+    """Every value keeps ``ok``, checked at once (numpy; ``dtype``: as rounded to it first); a
+    ``ValueError`` names the first that does not."""
+    array = np.asarray(values)
+    if dtype is not None:
+        with np.errstate(over="ignore"):  # beyond float32's range: infinity, as the kernels read it
+            array = array.astype(dtype)
+    bad = ~ok(array)
+    if bad.any():
+        i = int(bad.argmax())
+        raise ValueError(f"{name}[{i}]: {rule}, got {values[i]}")
+
+
+def wire_param(msg, param, rows: int, path: str, regions=None) -> Param | None:
+    """A sampling parameter from its scalar field or its per-row tensor ``<name>_rows``; unset,
+    its default. A float must keep its rule in float32 too, the precision the kernels read it in
+    (a temperature of 1e300 is inf there, a top_p of 1e-300 is 0)."""
+    floats = param.kind is float
+    if msg.HasField(param.rows_field):
+        name = path + param.rows_field
+        values = rows_values(getattr(msg, param.rows_field), name, rows,
+                             dtypes=(torch.float32, torch.float64) if floats else INTS, regions=regions)
+        _check_values(name, values, param.ok, f"must be {param.rule}")
+        if floats:
+            _check_values(name, values, param.ok, in_float32(param), np.float32)
+        return values
+    if not msg.HasField(param.name):
+        return param.default
+    value = getattr(msg, param.name)
+    if not param.ok(value):
+        raise ValueError(f"{path}{param.name}: must be {param.rule}, got {value}")
+    if floats and not param.ok(as_float32(value)):
+        raise ValueError(f"{path}{param.name}: {in_float32(param)}, got {value}")
+    return value
+
+
+def draw_seeds(rows: int) -> list[int]:
+    return [secrets.randbits(SEED_BITS) for _ in range(rows)]
+
+
+def param_rows(columns: list[Param], rows: int, dtype: torch.dtype) -> HostTensor:
+    """``columns`` (each a scalar or one value per row) as a ``[rows, len(columns)]`` tensor."""
+    if list not in map(type, columns):
+        return HostTensor(pack(columns, dtype) * rows, dtype, (rows, len(columns)))
+    per_row = zip(*(c if type(c) is list else (c,) * rows for c in columns))
+    return HostTensor(pack([v for row in per_row for v in row], dtype), dtype, (rows, len(columns)))
