@@ -24,7 +24,7 @@ import grpc
 
 from logitserve.v1 import logitserve_pb2 as pb
 
-from . import messages, results, sequences, wire
+from . import balancing, messages, results, sequences, wire
 from .errors import LogitServeError
 from .results import SampleResult, ServerInfo, StepResult, VerifyDraftResult
 from .region_methods import RegionMethods
@@ -44,10 +44,12 @@ class _Methods(RegionMethods, sequences.SequenceMethods):
     methods have no serializers of their own.
     """
 
-    def __init__(self, timeout: float | None, retries: int, token: str | None, unregister_on_close: bool,
-                 region_scope):
+    def __init__(self, target: str, timeout: float | None, retries: int, token: str | None,
+                 unregister_on_close: bool, region_scope, load_balancing: str):
         if retries < 0:
             raise ValueError(f"retries: must be >= 0, got {retries}")
+        self.target = target
+        self.load_balancing = balancing.policy(load_balancing)
         self.timeout = timeout
         self.retries = retries
         self.unregister_on_close = unregister_on_close
@@ -56,10 +58,10 @@ class _Methods(RegionMethods, sequences.SequenceMethods):
         self._regions = RegionTable(Scope(region_scope))
         self._recycler = wire.Recycler()
 
-    def _bind(self, channel) -> None:
-        """The channel's raw-bytes methods, one per RPC."""
-        self._channel = channel
-        self._methods = {rpc: (channel.stream_stream(path) if streaming else channel.unary_unary(path))
+    def _bind(self, module, **channel_args) -> None:
+        """The channel (``module`` is ``grpc`` or ``grpc.aio``) and its raw-bytes methods, one per RPC."""
+        self._channel = open_channel(module, self.target, load_balancing=self.load_balancing, **channel_args)
+        self._methods = {rpc: (self._channel.stream_stream(path) if streaming else self._channel.unary_unary(path))
                          for rpc, (path, streaming) in METHOD_PATHS.items()}
 
     def _call(self, rpc: str, request: bytes, timeout, parse, on_error=None):
@@ -182,8 +184,7 @@ class _Methods(RegionMethods, sequences.SequenceMethods):
                                           draft_logits=draft_logits, draft_temperature=draft_temperature,
                                           temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                                           step=step, filter_order=filter_order, out=out)
-        return self._send("VerifyDraft", enc, msg, pb.VerifyDraftResponse, results.verify_draft_result, timeout,
-                          stream)
+        return self._send("VerifyDraft", enc, msg, pb.VerifyDraftResponse, results.verify_draft_result, timeout, stream)
 
     def softmax(self, x, dim: int = -1, *, out=None, stream=None, timeout=CLIENT_TIMEOUT):
         """``softmax(x, dim)`` as a numpy array (bfloat16 input comes back as float32), or
@@ -197,8 +198,7 @@ class _Methods(RegionMethods, sequences.SequenceMethods):
         ``out`` as in :meth:`softmax`."""
         enc = self._encoder()
         msg = messages.build_causal_softmax(enc, (), x, out=out)
-        return self._send("CausalSoftmax", enc, msg, pb.CausalSoftmaxResponse, results.tensor_result, timeout,
-                          stream)
+        return self._send("CausalSoftmax", enc, msg, pb.CausalSoftmaxResponse, results.tensor_result, timeout, stream)
 
     def silu(self, x, *, out=None, stream=None, timeout=CLIENT_TIMEOUT):
         """``x * sigmoid(x)``; ``out`` as in :meth:`softmax`."""
@@ -240,6 +240,8 @@ class Client(_Methods):
     method's ``timeout=``. TLS: ``root_certificates`` (PEM bytes or a path) to verify the server,
     plus ``certificate_chain`` and ``private_key`` for mutual TLS. ``token`` is sent as
     ``authorization: Bearer <token>``. ``options`` are extra gRPC channel options.
+    ``load_balancing="round_robin"`` spreads calls over the target's addresses and refuses regions
+    and sequences, which belong to one server (default ``"pick_first"``: one server; :mod:`.balancing`).
 
     Regions registered through the client are unregistered when it closes (best effort, within
     ``CLOSE_TIMEOUT_S``; ``unregister_on_close=False`` leaves them registered). The server knows
@@ -254,11 +256,10 @@ class Client(_Methods):
 
     def __init__(self, target: str, *, timeout: float | None = None, retries: int = 3, root_certificates=None,
                  certificate_chain=None, private_key=None, token: str | None = None, options=(),
-                 unregister_on_close: bool = True, region_scope=NEW_SCOPE):
-        super().__init__(timeout, retries, token, unregister_on_close, region_scope)
-        self.target = target
-        self._bind(open_channel(grpc, target, root_certificates=root_certificates, certificate_chain=certificate_chain,
-                            private_key=private_key, options=options))
+                 unregister_on_close: bool = True, region_scope=NEW_SCOPE, load_balancing: str = "pick_first"):
+        super().__init__(target, timeout, retries, token, unregister_on_close, region_scope, load_balancing)
+        self._bind(grpc, root_certificates=root_certificates, certificate_chain=certificate_chain,
+                   private_key=private_key, options=options)
 
     def _call(self, rpc: str, request: bytes, timeout, parse, on_error=None):
         method = self._methods[rpc]
@@ -329,11 +330,10 @@ class AsyncClient(_Methods):
 
     def __init__(self, target: str, *, timeout: float | None = None, retries: int = 3, root_certificates=None,
                  certificate_chain=None, private_key=None, token: str | None = None, options=(),
-                 unregister_on_close: bool = True, region_scope=NEW_SCOPE):
-        super().__init__(timeout, retries, token, unregister_on_close, region_scope)
-        self.target = target
-        self._bind(open_channel(grpc.aio, target, root_certificates=root_certificates,
-                            certificate_chain=certificate_chain, private_key=private_key, options=options))
+                 unregister_on_close: bool = True, region_scope=NEW_SCOPE, load_balancing: str = "pick_first"):
+        super().__init__(target, timeout, retries, token, unregister_on_close, region_scope, load_balancing)
+        self._bind(grpc.aio, root_certificates=root_certificates, certificate_chain=certificate_chain,
+                   private_key=private_key, options=options)
 
     def _call(self, rpc: str, request: bytes, timeout, parse, on_error=None):
         return self._acall(self._methods[rpc], request, self._deadline(timeout), parse, on_error)

@@ -24,7 +24,7 @@ import grpc
 
 from logitserve.v1 import logitserve_pb2 as pb
 
-from . import codec, keys, regions
+from . import balancing, codec, keys, regions
 from .region_table import Registrations
 from .transport import CLIENT_TIMEOUT, parse_as
 
@@ -35,7 +35,8 @@ def _quoted(name: str) -> str:
 
 
 class RegionMethods:
-    """Shared-memory regions (the SharedMemory service; helpers in logitserve.client.regions)."""
+    """Shared-memory regions (the SharedMemory service; helpers in logitserve.client.regions).
+    A region belongs to one server: a round_robin client refuses these methods (:mod:`.balancing`)."""
 
     @property
     def registered(self) -> list[str]:
@@ -73,6 +74,7 @@ class RegionMethods:
         :meth:`register_system`, a contiguous torch CUDA tensor through :meth:`register_cuda`.
         Tensors inside it are then sent by reference, and it may hold ``out=`` outputs. Names as
         :meth:`register_system`'s."""
+        balancing.require_one_server(self, "register")
         if isinstance(x, regions.SharedHostBuffer):
             return self.register_system(name, x, global_name=global_name, timeout=timeout)
         if codec.is_torch(x) and x.is_cuda:
@@ -86,7 +88,9 @@ class RegionMethods:
         region ``name``. ``key`` may be a :class:`~.regions.SharedHostBuffer`
         (``regions.shared_array`` / ``shared_tensor``), whose size is then the default, and
         whose tensors are then found by address and sent by reference. The server knows it as
-        ``<scope>.<name>`` (:attr:`region_scope`), or as ``name`` with ``global_name=True``."""
+        ``<scope>.<name>`` (:attr:`region_scope`), or as ``name`` with ``global_name=True``.
+        Refused on a round_robin client (:mod:`.balancing`): a region belongs to one server."""
+        balancing.require_one_server(self, "register_system")
         server_name = self._regions.server_name(name, global_name)
         request = regions.system_request(server_name, key, byte_size, offset)
         buf = key if isinstance(key, regions.SharedHostBuffer) else None
@@ -106,6 +110,7 @@ class RegionMethods:
         server must be on the same host. A tensor is kept alive by the client until the region
         is unregistered (or the server is seen to have dropped it), and tensors inside its memory
         are sent by reference. Names as :meth:`register_system`'s."""
+        balancing.require_one_server(self, "register_cuda")
         server_name = self._regions.server_name(name, global_name)
         keep = None
         if codec.is_torch(handle):
@@ -129,6 +134,7 @@ class RegionMethods:
         not have it, which drops it from this client's table). ``all_of_caller=True``: every
         region the server holds for this caller, other clients' included (under the server's
         names)."""
+        balancing.require_one_server(self, "shared_memory_status")
         if name and all_of_caller:
             raise ValueError("shared_memory_status: give a name or all_of_caller=True, not both")
         server_name = self._regions.server_name(name, global_name) if name else ""
@@ -156,6 +162,7 @@ class RegionMethods:
         Returns the names unregistered, sorted (the caller's names for this client's regions,
         the server's for others); none for a name the server did not have. Each leaves this
         client's table, with the memory the table kept alive for it."""
+        balancing.require_one_server(self, "unregister")
         enum = regions.kind_enum(kind)
         if all_of_caller:
             if name:
@@ -199,6 +206,7 @@ class RegionMethods:
         this client that the server no longer holds for this caller (unregistered by another
         client of the same caller with ``all_of_caller``, or by a server restart), with the
         memory the table kept alive for it. Returns the names dropped."""
+        balancing.require_one_server(self, "reconcile_regions")
         before = self._regions.registrations()
 
         def compare(msg: pb.SharedMemoryStatusResponse) -> list[str]:

@@ -24,6 +24,7 @@ import numpy as np
 
 from logitserve.v1 import logitserve_pb2 as pb
 
+from . import balancing
 from .transport import CLIENT_TIMEOUT
 
 _SCALARS = ("temperature", "top_k", "top_p", "min_p", "seed", "step", "repetition_penalty", "frequency_penalty",
@@ -118,13 +119,15 @@ class Sequences:
 
 class SequenceMethods:
     """OpenSequences, UpdateSequences and CloseSequences; sample by ids with
-    ``sample(..., sequence_ids=ids)``."""
+    ``sample(..., sequence_ids=ids)``. A sequence belongs to one server: a round_robin client
+    refuses these methods (:mod:`.balancing`)."""
 
     def open_sequences(self, sequences: Iterable, *, timeout=CLIENT_TIMEOUT) -> Sequences:
         """Open ``sequences`` (each a dict of :func:`sequence_spec`'s keywords, ``id`` included,
         or a ``SequenceSpec``), all or none; a :class:`Sequences` of them. Errors:
         ALREADY_EXISTS (an id open already), RESOURCE_EXHAUSTED (past the server's
         ``--max-sequences``), INVALID_ARGUMENT naming ``sequences[i].<field>``."""
+        balancing.require_one_server(self, "open_sequences")
         specs = [s if isinstance(s, pb.SequenceSpec) else sequence_spec(**s) for s in sequences]
         ids = [s.id for s in specs]
         return self._simple("OpenSequences", pb.OpenSequencesRequest(sequences=specs), pb.OpenSequencesResponse,
@@ -135,11 +138,13 @@ class SequenceMethods:
         included, or a ``SequenceUpdate``), all or none, keeping their outputs and steps; each
         one's step (its next Sample's). Errors: NOT_FOUND (an id not open for this caller),
         INVALID_ARGUMENT naming ``updates[i].<field>``."""
+        balancing.require_one_server(self, "update_sequences")
         request = pb.UpdateSequencesRequest(
             updates=[u if isinstance(u, pb.SequenceUpdate) else sequence_update(**u) for u in updates])
         return self._simple("UpdateSequences", request, pb.UpdateSequencesResponse, lambda m: list(m.steps), timeout)
 
     def close_sequences(self, ids, *, timeout=CLIENT_TIMEOUT) -> list[int]:
         """Close this caller's sequences of ``ids``; the ids that were open (others are skipped)."""
+        balancing.require_one_server(self, "close_sequences")
         return self._simple("CloseSequences", pb.CloseSequencesRequest(ids=_ints(ids)), pb.CloseSequencesResponse,
                             lambda m: list(m.closed_ids), timeout)

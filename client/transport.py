@@ -1,6 +1,11 @@
 """What both clients need around a call: the channel, the RPCs' method paths, the timeout
 sentinel, the retry backoff (:func:`retry_delay`), parsing an answer and the CUDA synchronization before a call.
 
+Retries are this module's, not gRPC's: the channel's service config sets no retryPolicy (gRPC
+itself only retries transparently, a call that never reached a server); :func:`retry_delay`
+retries UNAVAILABLE inside the call's deadline, and with round_robin (:mod:`.balancing`) the
+retry is picked like any call, onto a server still ready.
+
 :mod:`.client` builds ``Client`` and ``AsyncClient`` on these; nothing here knows the operators.
 """
 
@@ -13,6 +18,8 @@ import time
 import grpc
 
 from logitserve.v1 import logitserve_pb2 as pb
+
+from . import balancing
 
 CLIENT_TIMEOUT = object()  # a method's default timeout: "the client's timeout" (None means no deadline)
 # Exponential backoff of UNAVAILABLE retries: 50 ms, 100 ms, 200 ms, ... capped at 2 s, each
@@ -31,15 +38,18 @@ def read_pem(value: bytes | str | os.PathLike | None) -> bytes | None:
         return f.read()
 
 
-def open_channel(module, target: str, *, root_certificates, certificate_chain, private_key, options):
+def open_channel(module, target: str, *, root_certificates, certificate_chain, private_key, options,
+                 load_balancing: str = "pick_first"):
     """A channel of ``module`` (``grpc`` or ``grpc.aio``) to ``target``: TLS when certificates are
-    given, ``options`` over :data:`DEFAULT_OPTIONS`."""
-    opts = list({**DEFAULT_OPTIONS, **dict(options)}.items())
+    given, ``options`` over :data:`DEFAULT_OPTIONS`, the service config with ``load_balancing``'s
+    policy (:func:`~.balancing.service_config`: the one place it is built)."""
+    opts = {**DEFAULT_OPTIONS, **dict(options)}
+    opts["grpc.service_config"] = balancing.service_config(load_balancing, opts)
     if root_certificates is None and certificate_chain is None:
-        return module.insecure_channel(target, options=opts)
+        return module.insecure_channel(target, options=list(opts.items()))
     creds = grpc.ssl_channel_credentials(read_pem(root_certificates), read_pem(private_key),
                                          read_pem(certificate_chain))
-    return module.secure_channel(target, creds, options=opts)
+    return module.secure_channel(target, creds, options=list(opts.items()))
 
 
 def synchronize(devices: set[int], stream) -> None:
