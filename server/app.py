@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import pathlib
+import ssl
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -57,6 +58,12 @@ METADATA_LIMIT_BYTES = 16 * 1024
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if config.tls_cert is None:
         return None
+    # Loaded once by the ssl module first: gRPC would take broken PEM, or a key that is not the
+    # certificate's, and fail only at the port, as if it were taken (ssl.SSLError is an OSError).
+    check = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    check.load_cert_chain(config.tls_cert, config.tls_key)
+    if config.tls_client_ca:
+        check.load_verify_locations(config.tls_client_ca)
     ca = pathlib.Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
     pair = (pathlib.Path(config.tls_key).read_bytes(), pathlib.Path(config.tls_cert).read_bytes())
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)

@@ -15,7 +15,7 @@ from logitserve.server.precompile import precompile, processes_for
 def test_processes_for():
     assert processes_for(3, 9) == 3
     assert processes_for(12, 9) == 9
-    assert processes_for(None, 9) == max(1, min(9, (os.cpu_count() or 2) - 1))
+    assert processes_for(None, 9) == max(1, min(9, len(os.sched_getaffinity(0)) - 1))
     assert processes_for(None, 1) == 1
 
 

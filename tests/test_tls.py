@@ -254,3 +254,9 @@ def test_tls_configuration_errors(pki, tmp_path):
         _config(tls_client_ca=str(pki.ca))
     with pytest.raises(OSError):  # a missing key file stops the start, never serves plaintext
         ServerThread(_config(tls_cert=str(pki.server_cert), tls_key=str(tmp_path / "missing.key")))
+    # Broken PEM, and a key that is not the certificate's: named as TLS files, not as a taken port.
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    for cert, key in ((garbage, pki.server_key), (pki.server_cert, garbage), (pki.ca, pki.server_key)):
+        with pytest.raises(OSError, match="--tls-cert / --tls-key"):
+            ServerThread(_config(tls_cert=str(cert), tls_key=str(key)))
