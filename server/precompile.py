@@ -27,8 +27,9 @@ log = get_logger("precompile")
 
 def processes_for(requested: int | None, shares: int) -> int:
     """How many processes compile ``shares`` shares: ``requested`` (None: one a share, one of the
-    cores this process may run on left over (a container's cpuset, not the node's count); 8 processes for 9 shares took 70 s to SERVING on a 16-core H200 host, the ninth
-    share compiled after the rest)."""
+    cores this process may run on left over: a container's cpuset, not the node's count; 8
+    processes for 9 shares took 70 s to SERVING on a 16-core H200 host, the ninth share compiled
+    after the rest)."""
     if requested is not None:
         return min(requested, shares)
     return max(1, min(shares, len(os.sched_getaffinity(0)) - 1))  # the cores this process may use
