@@ -135,7 +135,26 @@ def env_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
 
 
-def build_parser(environ=os.environ) -> argparse.ArgumentParser:
+class _BadVariable(ValueError):
+    """An environment variable whose value its flag's type refuses (argparse would name the flag)."""
+
+
+def _from_environment(env: str, flag: str, kind, value: str):
+    """``value`` of variable ``env`` as flag ``flag`` parses it, or :class:`_BadVariable` naming the
+    variable (and, for a Kubernetes service link, why it is there)."""
+    try:
+        return kind(value)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        hint = ""
+        if value.startswith(("tcp://", "udp://")):
+            hint = (" (a Kubernetes Service named logitserve sets it in every pod of its namespace: set "
+                    "enableServiceLinks: false in the pod spec, or name the Service otherwise)")
+        raise _BadVariable(f"{env} ({flag}): {value!r} is not a valid value: {exc}{hint}") from None
+
+
+def build_parser(environ=os.environ, given: frozenset = frozenset()) -> argparse.ArgumentParser:
+    """The command line. ``_BadVariable`` for an environment variable its flag refuses, unless the
+    flag is among those ``given`` on the command line (which win over the variable)."""
     parser = argparse.ArgumentParser(prog="logitserve", description="logitserve: sampling, MoE routing and "
                                      "softmax kernels over gRPC")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -144,9 +163,11 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
                                             "variable named after it (shown in brackets).")
     for flag, kind, default, text in FLAGS:
         env = env_name(flag)
-        # argparse runs `type` on string defaults, so a variable is parsed exactly like its flag.
-        serve.add_argument(flag, type=kind, default=environ.get(env, default),
-                           help=f"{text} [{env}; default: {default}]")
+        # A variable is parsed here, by its flag's type (argparse would run it on a string default
+        # too, but its error would name the flag, not the variable).
+        value = default if env not in environ or flag in given else _from_environment(env, flag, kind,
+                                                                                       environ[env])
+        serve.add_argument(flag, type=kind, default=value, help=f"{text} [{env}; default: {default}]")
     commands.add_parser("version", help="print the version")
     return parser
 
@@ -211,8 +232,11 @@ def _in_flag_names(message: str, argv: list[str], environ) -> str:
 def parse(argv: list[str] | None = None, environ=os.environ) -> tuple[str, ServerConfig | None]:
     """``(command, config)`` from the command line and environment; bad values exit 2 with usage,
     naming the flag (or the environment variable the value came from)."""
-    parser = build_parser(environ)
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        parser = build_parser(environ, frozenset(a.split("=", 1)[0] for a in argv if a.startswith("--")))
+    except _BadVariable as exc:
+        build_parser({}).error(str(exc))
     args = parser.parse_args(argv)
     if args.command != "serve":
         return args.command, None

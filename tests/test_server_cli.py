@@ -91,6 +91,22 @@ def test_bad_values_exit_with_usage(argv, env, capsys):
     assert "error" in capsys.readouterr().err
 
 
+def test_a_kubernetes_service_link_is_named_with_the_fix(capsys):
+    # A Service named logitserve puts LOGITSERVE_PORT=tcp://... into every pod of its namespace.
+    with pytest.raises(SystemExit) as info:
+        parse([], {"LOGITSERVE_PORT": "tcp://10.0.0.1:50051"})
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "LOGITSERVE_PORT (--port): 'tcp://10.0.0.1:50051' is not a valid value" in err and \
+        "enableServiceLinks: false" in err, err
+    with pytest.raises(SystemExit):
+        parse([], {"LOGITSERVE_MAX_ROWS": "many"})
+    assert "LOGITSERVE_MAX_ROWS (--max-rows): 'many'" in capsys.readouterr().err
+    # The flag on the command line wins over the variable, whatever the variable holds.
+    assert parse(["--port", "50051"], {"LOGITSERVE_PORT": "tcp://10.0.0.1:50051"}).port == 50051
+    assert parse(["--port=50052"], {"LOGITSERVE_PORT": "tcp://10.0.0.1:50051"}).port == 50052
+
+
 def test_defaults_keep_the_backends_warm_up_widths():
     assert parse([]).warmup_widths is None and parse(["--warmup-widths", "auto"]).warmup_widths is None
 
