@@ -28,15 +28,16 @@ import torch
 
 from logitserve import kernels
 from logitserve.kernels.sampling.params import FLOAT_PARAMS, INT_PARAMS, PENALTY_PARAMS, SEED, STEP
+from logitserve.kernels.sampling.process_kernels import COL_OUTPUT, COL_OUTPUT_CAPACITY
 from logitserve.kernels.sampling.processors import ListTable, append_tokens
 
-from .ops.resident import copies_in, on_device, places, reads_in_place
+from .ops.resident import on_device, places, unstaged
+from .ops.sample_processors import logprobs_on_host
 from .sequences import SequenceState
 from .staging import Staging, to_host
 from .tensors import HostTensor
 
-TABLE_COLUMNS = 13  # kernels/sampling/process_kernels.py's list table
-_OUTPUT, _OUTPUT_CAPACITY = 2, 12
+_OUTPUT, _OUTPUT_CAPACITY = COL_OUTPUT.value, COL_OUTPUT_CAPACITY.value
 _PENALTIES = tuple(PENALTY_PARAMS)
 _OUTPUT_ONLY = frozenset({"output"})
 
@@ -134,8 +135,8 @@ class TableLaunch:
         grammar = (call.processors or {}).get("grammar_bitmask")
         # Each tensor input read where it is (the client's device memory, or copied in from a
         # page-locked region), or staged.
-        self.fixed = [t for t in (call.logits, grammar) if t is not None and _unstaged(t, handle.device)]
-        self.staged = [t for t in (call.logits, grammar) if t is not None and not _unstaged(t, handle.device)]
+        self.fixed = [t for t in (call.logits, grammar) if t is not None and unstaged(t, handle.device)]
+        self.staged = [t for t in (call.logits, grammar) if t is not None and not unstaged(t, handle.device)]
         self.grammar = grammar
         self.graphed = call.logprobs is None and not call.return_kept
         # Launched over exactly the call's rows where a tensor or an output is in place (its
@@ -205,13 +206,4 @@ class TableLaunch:
     def eagerly(self) -> tuple[torch.Tensor, tuple | None]:
         """On the launch thread, without a graph: the tokens on the host, and the logprobs'."""
         tokens, = self.launch(*self.stage_for(self.call.rows).to(self.handle.device))
-        lp = self.logprobs
-        host_lp = None
-        if lp is not None:
-            host_lp = tuple(None if t is None else to_host(t) for t in (
-                lp.token_logprobs, lp.token_ranks, lp.top_token_ids, lp.top_logprobs, lp.kept_bitmask))
-        return to_host(tokens), host_lp
-
-
-def _unstaged(t, device: torch.device) -> bool:
-    return reads_in_place(t) or copies_in(t, device)
+        return to_host(tokens), logprobs_on_host(self.logprobs)

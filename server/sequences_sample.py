@@ -1,22 +1,19 @@
 """Sample with ``sequence_ids``: each row's parameters and lists read from its sequence's state
-(server/sequences.py) at the launch, the draw made by the one Sample path (``SampleCall`` and
-``launch_processed``, the kernels' processors), then each row's token appended and its step
-advanced.
+(server/sequences.py) at the launch, the draw made by the one Sample path, then each row's token
+appended and its step advanced.
 
 On the event loop (``SampleCall.from_pb``, through :meth:`SequenceLookup.rows`): one id per
 row, none twice, every one an open sequence of the caller, the fields the state replaces
-unset, each sequence's tokens below the call's vocabulary. On the launch thread
-(:meth:`SequenceRows.launch`): the sequences still open (one closed or expired while the call
-waited: NOT_FOUND), each one's state read once (UpdateSequences replaces it whole: an update
-made while the call waited applies), the rows' parameters packed into the call as if sent per
-row, and the
-lists as the kernels' ragged keywords (ids concatenated on the device, ``[B + 1]`` offsets),
-so that the answer equals a call without sequence ids that sends the same values and lists.
-Only the features some row uses are passed: a list no row holds, or penalties all off, are left
-out, as a stateless caller would leave them (the kernels give the same logits either way).
-
-Building the lists costs the lists' lengths on the device each call (``torch.cat``): correct
-first; counts kept per sequence would make it O(B) (issue 33, item 4).
+unset, each sequence's tokens below the call's vocabulary. At the launch
+(:meth:`SequenceRows._read_state`): the sequences still open (one closed or expired while the
+call waited: NOT_FOUND), each one's state read once (UpdateSequences replaces it whole: an
+update made while the call waited applies), the rows' parameters packed into the call as if
+sent per row. Then the lists: on the Triton kernels by address, read where each sequence holds
+them (sequences_lists.py: a list table, the appends in the same launch, a CUDA graph); on the
+torch backend as ragged keywords of ``launch_processed`` (ids concatenated, ``[B + 1]``
+offsets, the tokens appended row by row after it). Either way only the lists some row uses are
+passed (``sequences_lists.lists_of``), as a stateless caller would leave the others out, so the
+answer equals a call without sequence ids that sends the same values and lists.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from logitserve.kernels.sampling.params import MIN_TOKENS, PENALTY_PARAMS, RAGGE
 
 from .regions_servicer import caller
 from .sequences import Sequence, SequenceState, SequenceTable
-from .sequences_lists import StateRows, TableLaunch, param_rows
+from .sequences_lists import StateRows, TableLaunch, lists_of, param_rows
 
 # The SampleRequest fields a sequence's state replaces: with sequence_ids they must be unset.
 REPLACED = (*(f for p in (*SAMPLING_PARAMS.values(), *PENALTY_PARAMS.values(), MIN_TOKENS)
@@ -64,27 +61,40 @@ class SequenceRows:
     vocab: int
     path: str
 
-    def processors(self, states: list[SequenceState], device: torch.device) -> dict:
-        """The kernels' processor keywords of the rows' state (``states``, read once), on ``device``."""
+    def processors(self, states: list[SequenceState], rows: list[StateRows], device: torch.device) -> dict:
+        """The kernels' processor keywords of the rows' state (``states``, read once, and their
+        ``rows``), as ragged lists on ``device``: the lists :func:`lists_of` says some row uses,
+        as the list table passes them."""
         seqs, kw = self.sequences, {}
+        lists, penalties = lists_of(rows)
         params = [state.params for state in states]
-        penalties = any(getattr(p, name) != PENALTY_PARAMS[name].off for p in params for name in _PENALTIES)
-        stops = any(p.min_tokens > 0 for p in params) and any(state.stop.numel() for state in states)
         if penalties:
             for name in _PENALTIES:
                 kw[name] = torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
             kw["prompt_token_ids"], kw["prompt_offsets"] = _ragged([state.prompt for state in states], device)
-        if penalties or stops:
+        if "output" in lists:
             kw["output_token_ids"], kw["output_offsets"] = _ragged([seq.outputs() for seq in seqs], device)
-        if stops:
+        if "stop" in lists:
             kw["min_tokens"] = torch.tensor([p.min_tokens for p in params], dtype=torch.int64, device=device)
             kw["stop_token_ids"], kw["stop_offsets"] = _ragged([state.stop for state in states], device)
-        if any(state.bias_ids.numel() for state in states):
+        if "logit_bias" in lists:
             kw["logit_bias_ids"], kw["logit_bias_offsets"] = _ragged([state.bias_ids for state in states], device)
             kw["logit_bias_values"] = torch.cat([state.bias_values for state in states])
-        if any(state.banned.numel() for state in states):
+        if "banned" in lists:
             kw["banned_token_ids"], kw["banned_offsets"] = _ragged([state.banned for state in states], device)
         return kw
+
+    def _read_state(self, call) -> tuple[list[SequenceState], list[StateRows]]:
+        """At the launch: the sequences still open (NOT_FOUND for one closed or expired while the
+        call waited), each one's state read once (an update replaces it whole), its tokens
+        checked again against the vocabulary (a call meanwhile may have appended, an update
+        given longer lists), and the rows' parameters put into ``call``."""
+        self.table.check_open(self.sequences, self.path + "sequence_ids")
+        states = [seq.state for seq in self.sequences]
+        _check_vocab(self.sequences, states, self.vocab, self.path)
+        rows = [StateRows.of(state) for state in states]
+        call.use_rows(*param_rows(self.sequences, rows))
+        return states, rows
 
     async def run(self, call, handle, names, launch_processed: Callable) -> tuple[list[int], tuple | None]:
         """``call`` (a SampleCall of these rows) launched with the sequences' state, each row's
@@ -95,11 +105,7 @@ class SequenceRows:
             tokens, logprobs = await handle.run(self.launch, call, handle, names, launch_processed)
             return tokens.tolist(), logprobs
         async with self.table.launch_lock:
-            self.table.check_open(self.sequences, self.path + "sequence_ids")
-            states = [seq.state for seq in self.sequences]  # once: an update replaces it whole
-            _check_vocab(self.sequences, states, self.vocab, self.path)
-            rows = [StateRows.of(state) for state in states]
-            call.use_rows(*param_rows(self.sequences, rows))
+            _, rows = self._read_state(call)
             if any(seq.output_len == seq.output_capacity for seq in self.sequences):
                 await handle.run(self.table.reserve, self.sequences)  # on the launches' stream
             launch = TableLaunch(call, handle, names, self.sequences, rows)
@@ -117,12 +123,8 @@ class SequenceRows:
         """On the launch thread: ``call`` (a SampleCall of these rows) launched with the
         sequences' state by ``launch_processed``; then each row's token appended, its step
         advanced. Returns the tokens and logprobs (host tensors, or None)."""
-        self.table.check_open(self.sequences, self.path + "sequence_ids")
-        states = [seq.state for seq in self.sequences]  # once: an update replaces it whole
-        # Again: a call meanwhile may have appended, an update have given longer lists.
-        _check_vocab(self.sequences, states, self.vocab, self.path)
-        call.use_rows(*param_rows(self.sequences, [StateRows.of(state) for state in states]))
-        call.processors = {**(call.processors or {}), **self.processors(states, handle.device)}
+        states, rows = self._read_state(call)
+        call.processors = {**(call.processors or {}), **self.processors(states, rows, handle.device)}
         tokens, logprobs, _ = launch_processed(call, handle, names)  # no list of a region to check
         if tokens.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # to_host's copy: the values are read here

@@ -28,6 +28,7 @@ from logitserve import kernels
 from logitserve.kernels.sampling.params import (LOGPROBS_MODES, MAX_LOGPROBS, MIN_TOKENS, PENALTY_PARAMS,
                                                 RAGGED_LISTS)
 
+from ..staging import to_host
 from ..tensors import INTS, NOT_IN_PLACE, DeviceTensor, HostTensor, decode
 from .processor_checks import BulkChecks
 
@@ -152,7 +153,6 @@ def launch_processed(call, handle, names) -> tuple:
     (a host bool tensor) or None)``: those fields' checks queue ahead of the kernels
     (processor_checks.py), whose clamping makes any list safe to read."""
     from .resident import device_inputs
-    from ..staging import to_host
 
     logits, floats, ints = device_inputs(handle, [call.logits], [call.params[0]], [call.params[1]])
     params = dict(zip(names, (*floats.unbind(1), *ints.unbind(1))))
@@ -164,8 +164,14 @@ def launch_processed(call, handle, names) -> tuple:
     result = kernels.sample(logits, **params, filter_order=call.filter_order, backend=handle.backend, **procs, **extra)
     tokens, lp = result if extra else (result, None)
     call.put_outputs(tokens)
-    host_lp = None
-    if lp is not None:
-        host_lp = tuple(None if t is None else t.cpu() for t in (lp.token_logprobs, lp.token_ranks, lp.top_token_ids,
-                                                                  lp.top_logprobs, lp.kept_bitmask))
-    return to_host(tokens), host_lp, None if broken is None else to_host(broken)
+    return to_host(tokens), logprobs_on_host(lp), None if broken is None else to_host(broken)
+
+
+def logprobs_on_host(lp) -> tuple | None:
+    """A launch's ``Logprobs`` as the answer takes them: ``(token_logprobs, token_ranks,
+    top_token_ids, top_logprobs, kept_bitmask)``, each copied to the host (valid once the
+    launch's stream is done) or None; None without logprobs."""
+    if lp is None:
+        return None
+    return tuple(None if t is None else to_host(t) for t in (lp.token_logprobs, lp.token_ranks, lp.top_token_ids,
+                                                                lp.top_logprobs, lp.kept_bitmask))
