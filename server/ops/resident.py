@@ -132,6 +132,18 @@ def places(inputs, outputs: "Outputs | None", handle) -> list | None:
     return where
 
 
+def column_stage(*columns: HostTensor):
+    """The ``stage_for`` of a lone in-place call whose only staged inputs are its per-row
+    parameter columns: each a part, padded to the graph's rows with zeros."""
+    def stage_for(batch_rows: int) -> Staging:
+        stage = Staging()
+        for column in columns:
+            stage.add([column], rows=batch_rows, zero_padding=True)
+        return stage
+
+    return stage_for
+
+
 def device_inputs(handle, *groups: list) -> list[torch.Tensor]:
     """Each group of pieces (HostTensor or DeviceTensor, one per call, same trailing shape)
     stacked along dim 0 on the device, on the launch thread. A group of one piece read in place

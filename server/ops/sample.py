@@ -20,7 +20,7 @@ from ..tensors import FLOATS, NOT_IN_PLACE, PB_DTYPES, HostTensor, from_torch, p
 from .batching import split, split_rows
 from .limits import Limits, answer_bytes
 from .processor_checks import BulkChecks
-from .resident import Outputs, device_inputs, graph_key, launches_in_place, on_device
+from .resident import Outputs, column_stage, device_inputs, graph_key, launches_in_place, on_device
 from .sample_params import Param, draw_seeds, param_rows, wire_param
 from .sample_processors import launch_processed
 from .sample_processors import parse as parse_processors
@@ -226,12 +226,6 @@ async def _replay_in_place(call: SampleCall, key, handle) -> "SampleResult":
     the byte path, the outputs written into their regions by the graph."""
     names, rows = _param_names([call]), call.rows
 
-    def stage_for(batch_rows: int) -> Staging:
-        stage = Staging()
-        stage.add([call.params[0]], rows=batch_rows, zero_padding=True)
-        stage.add([call.params[1]], rows=batch_rows, zero_padding=True)
-        return stage
-
     def launch(float_rows, int_rows):
         # The graph's padding rows of parameters are not read: the logits have the call's rows.
         params = dict(zip(names, (*float_rows[:rows].unbind(1), *int_rows[:rows].unbind(1))))
@@ -240,7 +234,7 @@ async def _replay_in_place(call: SampleCall, key, handle) -> "SampleResult":
         call.put_outputs(tokens, params[SEED.name])
         return (tokens,)
 
-    tokens, = await handle.launch(key, rows, stage_for, launch)
+    tokens, = await handle.launch(key, rows, column_stage(*call.params), launch)
     return SampleResult(tokens.tolist(), call.seeds(), call.outputs, written=True)
 
 

@@ -25,11 +25,11 @@ from logitserve.kernels.sampling.params import MIN_P, SEED, STEP, TEMPERATURE, T
 from logitserve.kernels.verify import DRAFT_TEMPERATURE
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..staging import Staging, to_host
+from ..staging import to_host
 from ..tensors import FLOATS, INTS, NOT_IN_PLACE, DeviceTensor, HostTensor, from_array, tensor_field
 from .batching import split
 from .limits import Limits, answer_bytes
-from .resident import Outputs, device_inputs, graph_key, launches_in_place, on_device
+from .resident import Outputs, column_stage, device_inputs, graph_key, launches_in_place, on_device
 from .sample import WIRE_FILTER_ORDERS
 from .sample_params import draw_seeds, param_rows, wire_param
 
@@ -171,12 +171,6 @@ async def _replay_in_place(call: VerifyDraftCall, key, handle) -> "VerifyDraftRe
     rows = call.rows
     floats, ints = call.columns()
 
-    def stage_for(batch_rows: int) -> Staging:
-        stage = Staging()
-        stage.add([floats], rows=batch_rows, zero_padding=True)
-        stage.add([ints], rows=batch_rows, zero_padding=True)
-        return stage
-
     vocab = call.target_logits.shape[2]
 
     def launch(float_rows, int_rows):
@@ -189,7 +183,7 @@ async def _replay_in_place(call: VerifyDraftCall, key, handle) -> "VerifyDraftRe
         # with the outputs. The kernels answer a row with an id outside [0, V) invalid.
         return (*result, ((ids < 0) | (ids >= vocab)).any().reshape(1))
 
-    *outs, broken = await handle.launch(key, rows, stage_for, launch)
+    *outs, broken = await handle.launch(key, rows, column_stage(floats, ints), launch)
     if broken[0]:
         await handle.run(_check_ids, call.draft_token_ids, vocab, "draft_token_ids")
     values = {name: torch.from_numpy(value) for name, value in zip(OUTPUT_NAMES, outs)
