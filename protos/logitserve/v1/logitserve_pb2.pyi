@@ -556,7 +556,7 @@ class ServerStats(_message.Message):
     def __init__(self, launches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., queue_depth: _Optional[int] = ..., plan_cache_size: _Optional[int] = ..., open_sequences: _Optional[int] = ..., sequence_bytes: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "device", "device_name", "backend", "dtypes", "warmed_dtypes", "limits", "stats")
+    __slots__ = ("version", "device", "device_name", "backend", "dtypes", "warmed_dtypes", "limits", "stats", "device_endpoints")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -565,6 +565,7 @@ class GetServerInfoResponse(_message.Message):
     WARMED_DTYPES_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     version: str
     device: str
     device_name: str
@@ -573,7 +574,54 @@ class GetServerInfoResponse(_message.Message):
     warmed_dtypes: _containers.RepeatedScalarFieldContainer[DType]
     limits: Limits
     stats: ServerStats
-    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., warmed_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., stats: _Optional[_Union[ServerStats, _Mapping]] = ...) -> None: ...
+    device_endpoints: _containers.RepeatedCompositeFieldContainer[DeviceEndpoint]
+    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., warmed_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., stats: _Optional[_Union[ServerStats, _Mapping]] = ..., device_endpoints: _Optional[_Iterable[_Union[DeviceEndpoint, _Mapping]]] = ...) -> None: ...
+
+class DeviceEndpoint(_message.Message):
+    __slots__ = ("device", "address")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    address: str
+    def __init__(self, device: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class OpenChannelRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenChannelResponse(_message.Message):
+    __slots__ = ("service_name", "server_event", "client_event", "key", "format_version", "max_request_bytes", "max_answer_bytes", "iceoryx2_version", "idle_timeout_s")
+    SERVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SERVER_EVENT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_EVENT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ANSWER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ICEORYX2_VERSION_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    service_name: str
+    server_event: str
+    client_event: str
+    key: bytes
+    format_version: int
+    max_request_bytes: int
+    max_answer_bytes: int
+    iceoryx2_version: str
+    idle_timeout_s: float
+    def __init__(self, service_name: _Optional[str] = ..., server_event: _Optional[str] = ..., client_event: _Optional[str] = ..., key: _Optional[bytes] = ..., format_version: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_answer_bytes: _Optional[int] = ..., iceoryx2_version: _Optional[str] = ..., idle_timeout_s: _Optional[float] = ...) -> None: ...
+
+class CloseChannelRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    def __init__(self, key: _Optional[bytes] = ...) -> None: ...
+
+class CloseChannelResponse(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    def __init__(self, closed: bool = ...) -> None: ...
 
 class RegisterSystemSharedMemoryRequest(_message.Message):
     __slots__ = ("name", "key", "offset", "byte_size")

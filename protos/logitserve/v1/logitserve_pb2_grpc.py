@@ -101,6 +101,16 @@ class LogitServeStub(object):
                 request_serializer=logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesRequest.SerializeToString,
                 response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesResponse.FromString,
                 _registered_method=True)
+        self.OpenChannel = channel.unary_unary(
+                '/logitserve.v1.LogitServe/OpenChannel',
+                request_serializer=logitserve_dot_v1_dot_logitserve__pb2.OpenChannelRequest.SerializeToString,
+                response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.OpenChannelResponse.FromString,
+                _registered_method=True)
+        self.CloseChannel = channel.unary_unary(
+                '/logitserve.v1.LogitServe/CloseChannel',
+                request_serializer=logitserve_dot_v1_dot_logitserve__pb2.CloseChannelRequest.SerializeToString,
+                response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.CloseChannelResponse.FromString,
+                _registered_method=True)
 
 
 class LogitServeServicer(object):
@@ -205,6 +215,24 @@ class LogitServeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenChannel(self, request, context):
+        """Opens a same-host channel: the caller then sends this service's unary operator calls
+        (Sample ... Step, GetServerInfo) through shared memory (iceoryx2) instead of gRPC, as the
+        caller that opened it (its bearer token and regions). docs/SERVICE.md, "Same-host channel",
+        gives the format. Adds RESOURCE_EXHAUSTED (past the server's --max-channels) and
+        FAILED_PRECONDITION (the server runs without channels: --channels off).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseChannel(self, request, context):
+        """Closes one of the caller's channels (by its key); a key the caller has no channel of is skipped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LogitServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +295,16 @@ def add_LogitServeServicer_to_server(servicer, server):
                     servicer.UpdateSequences,
                     request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesRequest.FromString,
                     response_serializer=logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesResponse.SerializeToString,
+            ),
+            'OpenChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenChannel,
+                    request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.OpenChannelRequest.FromString,
+                    response_serializer=logitserve_dot_v1_dot_logitserve__pb2.OpenChannelResponse.SerializeToString,
+            ),
+            'CloseChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseChannel,
+                    request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.CloseChannelRequest.FromString,
+                    response_serializer=logitserve_dot_v1_dot_logitserve__pb2.CloseChannelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -600,6 +638,60 @@ class LogitServe(object):
             '/logitserve.v1.LogitServe/UpdateSequences',
             logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesRequest.SerializeToString,
             logitserve_dot_v1_dot_logitserve__pb2.UpdateSequencesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logitserve.v1.LogitServe/OpenChannel',
+            logitserve_dot_v1_dot_logitserve__pb2.OpenChannelRequest.SerializeToString,
+            logitserve_dot_v1_dot_logitserve__pb2.OpenChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logitserve.v1.LogitServe/CloseChannel',
+            logitserve_dot_v1_dot_logitserve__pb2.CloseChannelRequest.SerializeToString,
+            logitserve_dot_v1_dot_logitserve__pb2.CloseChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,
