@@ -24,7 +24,7 @@ import grpc
 
 from logitserve.v1 import logitserve_pb2 as pb
 
-from . import balancing, messages, results, sequences, wire
+from . import balancing, messages, results, same_host, sequences, wire
 from .errors import LogitServeError
 from .results import SampleResult, ServerInfo, StepResult, VerifyDraftResult
 from .region_methods import RegionMethods
@@ -58,11 +58,14 @@ class _Methods(RegionMethods, sequences.SequenceMethods):
         self._regions = RegionTable(Scope(region_scope))
         self._recycler = wire.Recycler()
 
-    def _bind(self, module, **channel_args) -> None:
-        """The channel (``module`` is ``grpc`` or ``grpc.aio``) and its raw-bytes methods, one per RPC."""
+    def _bind(self, module, channel, **channel_args) -> None:
+        """The channel (``module`` is ``grpc`` or ``grpc.aio``) and its raw-bytes methods, one per RPC;
+        with ``channel="shm"``, the operators' through a same-host channel (:mod:`.same_host`)."""
         self._channel = open_channel(module, self.target, load_balancing=self.load_balancing, **channel_args)
         self._methods = {rpc: (self._channel.stream_stream(path) if streaming else self._channel.unary_unary(path))
                          for rpc, (path, streaming) in METHOD_PATHS.items()}
+        self._same_host, carried = same_host.bind(channel, self._methods, module is grpc.aio)
+        self._methods.update(carried)
 
     def _call(self, rpc: str, request: bytes, timeout, parse, on_error=None):
         """``parse(answer)``; a failure raises ``on_error(LogitServeError)`` (default: the error)."""
@@ -242,6 +245,7 @@ class Client(_Methods):
     ``authorization: Bearer <token>``. ``options`` are extra gRPC channel options.
     ``load_balancing="round_robin"`` spreads calls over the target's addresses and refuses regions
     and sequences, which belong to one server (default ``"pick_first"``: one server; :mod:`.balancing`).
+    ``channel="shm"``: the operators' calls cross a same-host channel, not gRPC (:mod:`.same_host`).
 
     Regions registered through the client are unregistered when it closes (best effort, within
     ``CLOSE_TIMEOUT_S``; ``unregister_on_close=False`` leaves them registered). The server knows
@@ -256,9 +260,10 @@ class Client(_Methods):
 
     def __init__(self, target: str, *, timeout: float | None = None, retries: int = 3, root_certificates=None,
                  certificate_chain=None, private_key=None, token: str | None = None, options=(),
-                 unregister_on_close: bool = True, region_scope=NEW_SCOPE, load_balancing: str = "pick_first"):
+                 unregister_on_close: bool = True, region_scope=NEW_SCOPE, load_balancing: str = "pick_first",
+                 channel="grpc"):
         super().__init__(target, timeout, retries, token, unregister_on_close, region_scope, load_balancing)
-        self._bind(grpc, root_certificates=root_certificates, certificate_chain=certificate_chain,
+        self._bind(grpc, channel, root_certificates=root_certificates, certificate_chain=certificate_chain,
                    private_key=private_key, options=options)
 
     def _call(self, rpc: str, request: bytes, timeout, parse, on_error=None):
@@ -305,10 +310,9 @@ class Client(_Methods):
         then close the channel."""
         names = self._regions.names
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
-        for request in self._unregister_requests():
+        for rpc, request in same_host.closing_calls(self._same_host, self._unregister_requests()):
             with contextlib.suppress(Exception):
-                self._methods["UnregisterSharedMemory"](request, timeout=max(deadline - time.monotonic(), 0.01),
-                                                        metadata=self._metadata)
+                self._methods[rpc](request, timeout=max(deadline - time.monotonic(), 0.01), metadata=self._metadata)
         self._regions.remove(names)
         self._channel.close()
 
@@ -330,9 +334,10 @@ class AsyncClient(_Methods):
 
     def __init__(self, target: str, *, timeout: float | None = None, retries: int = 3, root_certificates=None,
                  certificate_chain=None, private_key=None, token: str | None = None, options=(),
-                 unregister_on_close: bool = True, region_scope=NEW_SCOPE, load_balancing: str = "pick_first"):
+                 unregister_on_close: bool = True, region_scope=NEW_SCOPE, load_balancing: str = "pick_first",
+                 channel="grpc"):
         super().__init__(target, timeout, retries, token, unregister_on_close, region_scope, load_balancing)
-        self._bind(grpc.aio, root_certificates=root_certificates, certificate_chain=certificate_chain,
+        self._bind(grpc.aio, channel, root_certificates=root_certificates, certificate_chain=certificate_chain,
                    private_key=private_key, options=options)
 
     def _call(self, rpc: str, request: bytes, timeout, parse, on_error=None):
@@ -386,10 +391,9 @@ class AsyncClient(_Methods):
         """:meth:`Client.close` for asyncio."""
         names = self._regions.names
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
-        for request in self._unregister_requests():
+        for rpc, request in same_host.closing_calls(self._same_host, self._unregister_requests()):
             with contextlib.suppress(Exception):
-                await self._methods["UnregisterSharedMemory"](
-                    request, timeout=max(deadline - time.monotonic(), 0.01), metadata=self._metadata)
+                await self._methods[rpc](request, timeout=max(deadline - time.monotonic(), 0.01), metadata=self._metadata)
         self._regions.remove(names)
         await self._channel.close()
 

@@ -1,5 +1,5 @@
 """Wiring: the grpc.aio server with LogitServe, SharedMemory, the KServe v2 inference service
-(server/kserve/), health, reflection (each handler guarded), TLS, metrics.
+(server/kserve/), health, reflection (each handler guarded), same-host channels, TLS, metrics.
 
 ``create_server(config) -> (service, port)`` builds and binds everything (port 0 picks a free
 port, as tests do); then ``await service.start()`` accepts calls with health NOT_SERVING,
@@ -26,6 +26,7 @@ from . import kserve, ops, reflection, regions_servicer
 from .auth import TokenStore
 from .batcher import Batcher
 from .busy_poll import BusyPollEventLoop
+from .channel import ChannelService
 from .config import ServerConfig
 from .device import TRITON_WARMUP_WIDTHS, DeviceHandle
 from .guard import Guard, GuardedRegistrar, status_for
@@ -139,6 +140,9 @@ class Service:
         ])
         guarded = GuardedRegistrar(self.server, guard, {**request_parsers(), **kserve.request_parsers()})
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)
+        # Same-host channels reach LogitServe's guarded handlers, as gRPC does (server/channel/).
+        self.channels = ChannelService(config.channels, config.max_channels, config.channel_idle_s,
+                                       config.max_message_bytes, guarded.handlers)
         regions_servicer.add_to_server(self.regions, guarded)
         kserve.add_to_server(self, guarded)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
@@ -169,6 +173,7 @@ class Service:
             busy_poll_us = loop.window_us
         self.batcher.start()
         await self.server.start()
+        self.channels.start()
         if self.config.metrics_port:
             try:
                 self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
@@ -233,6 +238,7 @@ class Service:
             end = loop.time() + STOP_ANSWER_S
             while self.guard.running and loop.time() < end:
                 await asyncio.sleep(0.01)
+        await self.channels.stop()
         await self.server.stop(0)
         end = loop.time() + STOP_LAUNCH_S
 

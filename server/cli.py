@@ -126,6 +126,10 @@ FLAGS = (
     ("--max-sequences", int, _D.max_sequences, "sequences (OpenSequences) open at once, all clients together "
      "(0: none)"),
     ("--sequence-idle-s", float, _D.sequence_idle_s, "a sequence no call names for this long is closed (seconds)"),
+    ("--channels", _switch, "on" if _D.channels else "off", "same-host channels (OpenChannel): calls through "
+     "shared memory (iceoryx2) instead of gRPC (on, off)"),
+    ("--max-channels", int, _D.max_channels, "same-host channels open at once, all clients together"),
+    ("--channel-idle-s", float, _D.channel_idle_s, "a channel without a call for this long is closed (seconds)"),
     ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
     ("--log-level", str.lower, _D.log_level, f"one of {', '.join(LOG_LEVELS)} (any case)"),
 )

@@ -104,6 +104,12 @@ class ServerConfig:
     # device, 8 bytes a token id (prompt, output, bias, banned, stop).
     max_sequences: int = 4096
     sequence_idle_s: float = 600.0
+    # Same-host channels (OpenChannel; server/channel/): calls through shared memory (iceoryx2)
+    # instead of gRPC. Most open at once, all callers together, and how long one without a call
+    # stays open. Off, or without iceoryx2 installed, OpenChannel is FAILED_PRECONDITION.
+    channels: bool = True
+    max_channels: int = 64
+    channel_idle_s: float = 600.0
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0
     log_level: str = "info"
@@ -115,7 +121,7 @@ class ServerConfig:
             raise ValueError(f"metrics_port: must be in [0, 65535] (0 = off), got {self.metrics_port}")
         for name in ("max_batch_rows", "max_queue", "max_message_bytes", "max_vocab", "max_rows", "workers",
                      "max_held_answer_bytes", "max_held_answer_bytes_per_connection", "max_streams_per_connection",
-                     "max_connections"):
+                     "max_connections", "max_channels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_delay_us < 0:
@@ -130,8 +136,9 @@ class ServerConfig:
             raise ValueError(f"shm_key_scope: must be one of {', '.join(SHM_KEY_SCOPES)}, got {self.shm_key_scope!r}")
         if self.max_sequences < 0:
             raise ValueError(f"max_sequences: must be >= 0 (0: no sequences), got {self.max_sequences}")
-        if not (math.isfinite(self.sequence_idle_s) and self.sequence_idle_s > 0):
-            raise ValueError(f"sequence_idle_s: must be a finite number > 0, got {self.sequence_idle_s}")
+        for name in ("sequence_idle_s", "channel_idle_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name}: must be a finite number > 0, got {getattr(self, name)}")
         if self.busy_poll_us < 0:
             raise ValueError(f"busy_poll_us: must be >= 0 (0: off), got {self.busy_poll_us}")
         if not (math.isfinite(self.grace_period_s) and self.grace_period_s >= 0):

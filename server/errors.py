@@ -27,6 +27,10 @@ class Unauthenticated(Exception):
     """Missing or wrong bearer token: UNAUTHENTICATED."""
 
 
+class Unsupported(Exception):
+    """Something this server runs without (channels under --channels off): FAILED_PRECONDITION."""
+
+
 class NotFound(LookupError):
     """No such thing to answer about (a KServe model or version): NOT_FOUND."""
 

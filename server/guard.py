@@ -17,7 +17,7 @@ Status codes (the one place they are decided), by exception:
   RESOURCE_EXHAUSTED (out of device memory, the caller may retry smaller or elsewhere);
 - :class:`~.errors.DeadlineExpired`, ``asyncio.TimeoutError``: DEADLINE_EXCEEDED;
 - :class:`~.errors.Draining`: UNAVAILABLE;
-- :class:`~.errors.Unauthenticated`: UNAUTHENTICATED;
+- :class:`~.errors.Unauthenticated`: UNAUTHENTICATED; :class:`~.errors.Unsupported`: FAILED_PRECONDITION;
 - ``asyncio.CancelledError``, a stream's ``GeneratorExit``: CANCELLED (the client left; re-raised);
 - anything else (a device fault): INTERNAL; that call fails, the server goes on.
 """
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from .errors import DeadlineExpired, Draining, NotFound, QueueFull, TooLarge, Unauthenticated, exception_chain
+from .errors import (DeadlineExpired, Draining, NotFound, QueueFull, TooLarge, Unauthenticated, Unsupported,
+                     exception_chain)
 from .identity import authorization_of
 from .logs import get_logger, log_event
 from .regions import RegionExists, RegionNotFound
@@ -60,6 +61,7 @@ _STATUS = (
     ((DeadlineExpired, asyncio.TimeoutError), grpc.StatusCode.DEADLINE_EXCEEDED),
     ((Draining,), grpc.StatusCode.UNAVAILABLE),
     ((Unauthenticated,), grpc.StatusCode.UNAUTHENTICATED),
+    ((Unsupported,), grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 
@@ -385,12 +387,14 @@ class GuardedRegistrar:
 
     def __init__(self, server: grpc.aio.Server, guard: Guard, parsers: dict | None = None):
         self._server, self._guard, self._parsers = server, guard, parsers or {}
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}  # the wrapped ones, by method path (channels')
 
     def add_generic_rpc_handlers(self, handlers) -> None:
         self._server.add_generic_rpc_handlers(
             tuple(_GuardedGenericHandler(h, self._guard, self._parsers) for h in handlers))
 
     def add_registered_method_handlers(self, service: str, method_handlers: dict) -> None:
-        self._server.add_registered_method_handlers(service, {
-            name: self._guard.wrap(f"/{service}/{name}", h, self._parsers.get(f"/{service}/{name}"))
-            for name, h in method_handlers.items()})
+        wrapped = {name: self._guard.wrap(f"/{service}/{name}", h, self._parsers.get(f"/{service}/{name}"))
+                   for name, h in method_handlers.items()}
+        self.handlers.update({f"/{service}/{name}": h for name, h in wrapped.items()})
+        self._server.add_registered_method_handlers(service, wrapped)

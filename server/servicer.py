@@ -23,6 +23,7 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 from . import ops
 from .errors import Draining
 from .guard import note_rows
+from .identity import authorization_of
 from .ops.sample_processors import TENSOR_FIELDS as PROCESSOR_TENSOR_FIELDS
 from .regions import CallRegions
 from .regions_servicer import caller
@@ -188,3 +189,10 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
 
     async def GetServerInfo(self, request, context):
         return self._service.info().to_pb()
+
+    async def OpenChannel(self, request, context):
+        return self._service.channels.open(authorization_of(context.invocation_metadata() or ()))
+
+    async def CloseChannel(self, request, context):
+        closed = self._service.channels.close(request.key, authorization_of(context.invocation_metadata() or ()))
+        return pb.CloseChannelResponse(closed=closed)

@@ -1,0 +1,151 @@
+"""The server's half of the same-host channel: OpenChannel and CloseChannel, and each call that
+comes through a channel, served by the very handler gRPC's call would reach.
+
+A channel call is read from its header (logitserve.v1.channel_format), then handed to
+LogitServe's guarded handler for its method with a :class:`~.context.ChannelCallContext`: the
+guard admits it (draining, the token, the request id), parses it, counts it in the metrics and
+the log, the handler validates it and queues it in the batcher; the answer, or the status the
+guard decided, goes back through the channel. What differs from gRPC is only the transport.
+Requests and answers obey --max-message-bytes, as over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+
+import grpc
+
+from logitserve.v1 import channel_format as fmt
+from logitserve.v1 import logitserve_pb2 as pb
+
+from ..errors import Unsupported
+from ..logs import get_logger, log_event
+from . import transport
+from .context import ChannelCallContext
+from .table import ChannelTable
+
+log = get_logger("channel")
+
+LOGITSERVE = pb.DESCRIPTOR.services_by_name["LogitServe"].full_name
+MAX_REQUEST_ID = 128  # as guard.MAX_REQUEST_ID: a longer one the guard refuses, so no more is read
+
+
+def _status_code(code: grpc.StatusCode) -> int:
+    return code.value[0]
+
+
+class ChannelService:
+    """Channels of one server process. ``handlers``: the guarded handlers by method path (what
+    GuardedRegistrar registered with gRPC); ``max_message_bytes``: the limit of requests and answers."""
+
+    def __init__(self, enabled: bool, max_channels: int, idle_s: float, max_message_bytes: int, handlers: dict):
+        self._unavailable = None if enabled else "this server runs with --channels off"
+        if self._unavailable is None:
+            self._unavailable = transport.available()
+        self._table = ChannelTable(max_channels, idle_s)
+        self._max_message_bytes = max_message_bytes
+        self._handlers = {number: handlers[f"/{LOGITSERVE}/{name}"] for number, name in fmt.METHODS.items()}
+        self._transport: transport.Iceoryx2Transport | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def open_channels(self) -> int:
+        return len(self._table)
+
+    def start(self) -> None:
+        """Create the ports and start serving (on the running loop); a server without iceoryx2
+        logs why and goes on without channels."""
+        if self._unavailable is not None:
+            log_event(log, "channels off", reason=self._unavailable)
+            return
+        self._transport = transport.Iceoryx2Transport(self._table.max_channels)
+        self._transport.start(asyncio.get_running_loop(), self._on_request)
+        log_event(log, "channels on", service=self._transport.service_name, max_channels=self._table.max_channels)
+
+    def open(self, authorization: str | None) -> pb.OpenChannelResponse:
+        if self._transport is None:
+            raise Unsupported(f"channels: {self._unavailable or 'the server has stopped'}; call over gRPC")
+        channel = self._table.open(authorization, self._transport.event)
+        return pb.OpenChannelResponse(
+            service_name=self._transport.service_name, server_event=self._transport.wake_name,
+            client_event=channel.event_name, key=channel.key, format_version=fmt.FORMAT_VERSION,
+            max_request_bytes=self._request_limit(), max_answer_bytes=self._answer_limit(),
+            iceoryx2_version=transport.ICEORYX2_VERSION, idle_timeout_s=self._table.idle_s)
+
+    def close(self, key: bytes, authorization: str | None) -> bool:
+        return self._table.close(key, authorization)
+
+    def _request_limit(self) -> int:
+        return fmt.REQUEST_HEADER.size + MAX_REQUEST_ID + self._max_message_bytes
+
+    def _answer_limit(self) -> int:
+        return fmt.ANSWER_HEADER.size + MAX_REQUEST_ID + self._max_message_bytes + 4096  # + the status message
+
+    def _refuse(self, active, code: grpc.StatusCode, details: str, event=None) -> None:
+        head = fmt.ANSWER_HEADER.pack(_status_code(code), 0, len(details.encode()), 0)
+        self._transport.answer(active, (head, details.encode()), event)
+
+    def _on_request(self, active, address: int, size: int) -> None:
+        """A request arrived (on the loop): read its header, start its call."""
+        if size < fmt.REQUEST_HEADER.size:
+            return self._refuse(active, grpc.StatusCode.INVALID_ARGUMENT,
+                                f"channel request: {size} bytes, shorter than its {fmt.REQUEST_HEADER.size}-byte header")
+        key, method, id_bytes, timeout_us = fmt.REQUEST_HEADER.unpack(ctypes.string_at(address, fmt.REQUEST_HEADER.size))
+        channel = self._table.get(key)
+        if channel is None:
+            # The caller's event is not known: it finds this answer when its wait for one times out.
+            return self._refuse(active, grpc.StatusCode.UNAUTHENTICATED,
+                                f"{fmt.UNKNOWN_KEY} (closed, idle past its idle_timeout_s, or opened on "
+                                "another server process); open a new one")
+        handler = self._handlers.get(method)
+        message_at = fmt.REQUEST_HEADER.size + id_bytes
+        if handler is None:
+            return self._refuse(active, grpc.StatusCode.INVALID_ARGUMENT,
+                                f"channel request: method {method} is none of the channel's "
+                                f"({', '.join(f'{n} {m}' for n, m in fmt.METHODS.items())})", channel.event)
+        if id_bytes > MAX_REQUEST_ID or message_at > size:
+            return self._refuse(active, grpc.StatusCode.INVALID_ARGUMENT,
+                                f"channel request: request_id_bytes {id_bytes} must be at most {MAX_REQUEST_ID} and "
+                                f"within the request's {size} bytes", channel.event)
+        if size - message_at > self._max_message_bytes:
+            return self._refuse(active, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"request: a {size - message_at}-byte message, over this server's limit of "
+                                f"{self._max_message_bytes} (--max-message-bytes)", channel.event)
+        request_id = ctypes.string_at(address + fmt.REQUEST_HEADER.size, id_bytes).decode("ascii", "replace")
+        message = ctypes.string_at(address + message_at, size - message_at)
+        context = ChannelCallContext(channel.peer, channel.authorization, request_id,
+                                     timeout_us * 1e-6 if timeout_us else None)
+        task = asyncio.get_running_loop().create_task(self._serve(active, channel, handler, message, context))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, active, channel, handler, message: bytes, context: ChannelCallContext) -> None:
+        """Run the guarded handler, answer with its response or the status the guard set."""
+        try:
+            response = await handler.unary_unary(message, context)
+        except asyncio.CancelledError:
+            # The server is stopping under it (the guard answers a drain's cancellation itself).
+            context.status, context.details, response = grpc.StatusCode.CANCELLED, "server stopping", None
+        try:
+            code = context.status or grpc.StatusCode.OK
+            details = context.details.encode("utf-8", "replace")
+            head = fmt.ANSWER_HEADER.pack(_status_code(code), len(context.request_id), len(details), 0)
+            body = response if code == grpc.StatusCode.OK and response is not None else b""
+            if self._transport is not None:
+                self._transport.answer(active, (head, context.request_id.encode("ascii", "replace"), details, body),
+                                       channel.event)
+        finally:
+            context.done()
+
+    async def stop(self) -> None:
+        """Close every channel and the ports (after the drain: calls still here have answered or
+        are cancelled now)."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=1.0)
+        self._table.clear()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
