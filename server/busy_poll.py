@@ -50,6 +50,9 @@ class BusyPollSelector(selectors.DefaultSelector):
         super().__init__()
         self._window_s = window_s
         self.hold_off: Callable[[], bool] = _never
+        # Checked between polls: true when it found work elsewhere (a same-host channel's call)
+        # and scheduled it on the loop, which then runs it without waiting for an event.
+        self.also_poll: Callable[[], bool] = _never
 
     def select(self, timeout=None):
         if (timeout is not None and timeout <= 0) or self.hold_off():
@@ -58,7 +61,7 @@ class BusyPollSelector(selectors.DefaultSelector):
         until = start + (self._window_s if timeout is None else min(self._window_s, timeout))
         while time.monotonic() < until:
             ready = super().select(0)
-            if ready:
+            if ready or self.also_poll():
                 return ready
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
         return super().select(left)
@@ -75,6 +78,10 @@ class BusyPollEventLoop(asyncio.SelectorEventLoop):
     def hold_off_while(self, predicate: Callable[[], bool]) -> None:
         """Sleep at once, without polling, whenever ``predicate()`` is true."""
         self._selector_polling.hold_off = predicate
+
+    def poll_also(self, check: Callable[[], bool]) -> None:
+        """While polling, also call ``check()``, which schedules what it finds on the loop."""
+        self._selector_polling.also_poll = check
 
     def holding_off(self) -> bool:
         """Whether the loop would sleep at once now."""

@@ -63,6 +63,13 @@ def _auto_int(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{text!r}: must be 'auto' or an integer") from None
 
 
+def _name_list(text: str) -> tuple[str, ...]:
+    """Comma-separated entries (``--devices``, ``--device-endpoints``); "none" or "" for none."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
 def _switch(text: str) -> bool:
     value = text.strip().lower()
     if value in ("on", "true", "1", "yes"):
@@ -79,6 +86,11 @@ FLAGS = (
     ("--host", str, _D.host, "address to listen on"),
     ("--port", int, _D.port, "port to listen on (0 picks a free one)"),
     ("--device", str, None, "torch device: cuda:N or cpu (default: cuda:0 where torch sees a GPU, else cpu)"),
+    ("--devices", _name_list, "none", "one server process per GPU: all (every GPU torch sees) or cuda:0,cuda:1,...; "
+     "the process of the i-th listens on --port + i (--port 0: free ports), metrics on --metrics-port + i, and "
+     "GetServerInfo lists them all (none: one process, on --device)"),
+    ("--device-endpoints", _name_list, "none", "internal, set by --devices for its processes: every device's "
+     "process as device=host:port,... (GetServerInfo's device_endpoints)"),
     ("--backend", str, _D.backend, "kernel backend: auto (triton on CUDA, torch on CPU), triton, interpret, torch"),
     ("--cuda-graphs", _switch, "on" if _D.cuda_graphs else "off",
      "replay Sample and RouteExperts launches from CUDA graphs (on, off)"),
@@ -179,7 +191,8 @@ def build_parser(environ=os.environ, given: frozenset = frozenset()) -> argparse
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     fields = {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
               for flag, *_ in FLAGS}
-    fields["device"] = fields["device"] or default_device()
+    if not fields["devices"]:  # each process of --devices gets its own --device
+        fields["device"] = fields["device"] or default_device()
     return ServerConfig(**fields)
 
 
@@ -271,8 +284,13 @@ def main(argv: list[str] | None = None) -> int:
               f"pip install 'logitserve[server]'", file=sys.stderr)
         return 2
     worker = os.environ.get(WORKER_ENV)
-    configure(config.log_level, worker=worker if worker is not None else ("supervisor" if config.workers > 1 else None))
+    supervisor = config.workers > 1 or bool(config.devices)
+    configure(config.log_level, worker=worker if worker is not None else ("supervisor" if supervisor else None))
     _warn_if_open(config)
+    if config.devices:
+        from .devices import run_devices
+
+        return run_devices(config)
     if config.workers > 1:
         from .workers import run_workers
 

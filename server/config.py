@@ -19,6 +19,12 @@ def default_device() -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
+def _is_cuda_device(name: str) -> bool:
+    """``name`` is ``cuda:N`` as torch writes it (no leading zeros, no spaces)."""
+    kind, _, index = name.partition(":")
+    return kind == "cuda" and index.isdigit() and str(int(index)) == index
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything ``logitserve serve`` can be told; every field is also a flag (cli.py)."""
@@ -27,6 +33,13 @@ class ServerConfig:
     port: int = DEFAULT_PORT
     # Torch device the kernels run on; None picks default_device().
     device: str | None = None
+    # One server process per device (server/devices.py): ("all",) for every GPU torch sees, or
+    # ("cuda:0", "cuda:1", ...); process i listens on port + i, metrics on metrics_port + i.
+    # (): one process, on ``device``.
+    devices: tuple[str, ...] = ()
+    # Internal, what devices gives each of its processes: every device's process as
+    # "device=host:port", in device order, answered in GetServerInfo (device_endpoints).
+    device_endpoints: tuple[str, ...] = ()
     # "auto" is triton on CUDA and the torch reference on the CPU.
     backend: str = "auto"
     # Replay Sample and RouteExperts launches from CUDA graphs, one per op key and power-of-two
@@ -147,6 +160,7 @@ class ServerConfig:
             raise ValueError(f"backend: must be one of auto, triton, interpret, torch, got {self.backend!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: must be 'cpu' or 'cuda:N', got {self.device!r}")
+        self._check_devices()
         unknown = [d for d in self.warmup_dtypes if d not in FLOAT_DTYPE_NAMES]
         if unknown:
             raise ValueError(f"warmup_dtypes: {unknown} not in {', '.join(FLOAT_DTYPE_NAMES)}")
@@ -162,6 +176,38 @@ class ServerConfig:
         object.__setattr__(self, "log_level", self.log_level.lower())  # DEBUG is debug
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    def _check_devices(self) -> None:
+        """``devices`` and ``device_endpoints``: their form, and what they cannot go with."""
+        if self.devices:
+            if self.devices != ("all",):
+                bad = [d for d in self.devices if not _is_cuda_device(d)]
+                if bad:
+                    raise ValueError(f"devices: must be 'all' or cuda:N entries (cuda:0,cuda:1), got {bad}")
+                if len(set(self.devices)) != len(self.devices):
+                    raise ValueError(f"devices: each device once, got {list(self.devices)}")
+            if self.device is not None:
+                raise ValueError(f"devices: not with --device {self.device}: --devices starts one process per "
+                                 f"device, each on its own --device")
+            if self.workers > 1:
+                raise ValueError(f"devices: not with workers = {self.workers}: each device gets one process (for "
+                                 f"more processes on a GPU, run a --workers server per GPU with --device)")
+            if self.device_endpoints:
+                raise ValueError("devices: not with device_endpoints (set by --devices for its own processes)")
+            last = len(self.devices) - 1 if self.devices != ("all",) else 0
+            for name, port in (("port", self.port), ("metrics_port", self.metrics_port)):
+                if port and port + last > 65535:
+                    raise ValueError(f"{name}: {port} + {last} (one port per device) is past 65535")
+        for entry in self.device_endpoints:
+            device, sep, address = entry.partition("=")
+            if not sep or not (device == "cpu" or _is_cuda_device(device)) or ":" not in address:
+                raise ValueError(f"device_endpoints: each must be device=host:port (cuda:1=10.0.0.5:50052), "
+                                 f"got {entry!r}")
+
+    @property
+    def endpoints(self) -> list[tuple[str, str]]:
+        """``device_endpoints`` as ``(device, address)`` pairs."""
+        return [tuple(entry.split("=", 1)) for entry in self.device_endpoints]
 
     @property
     def resolved_shm_key_scope(self) -> str:

@@ -19,6 +19,7 @@ import grpc
 from logitserve.v1 import channel_format as fmt
 from logitserve.v1 import logitserve_pb2 as pb
 
+from ..busy_poll import BusyPollEventLoop
 from ..errors import Unsupported
 from ..logs import get_logger, log_event
 from . import transport
@@ -60,7 +61,10 @@ class ChannelService:
             log_event(log, "channels off", reason=self._unavailable)
             return
         self._transport = transport.Iceoryx2Transport(self._table.max_channels)
-        self._transport.start(asyncio.get_running_loop(), self._on_request)
+        loop = asyncio.get_running_loop()
+        self._transport.start(loop, self._on_request)
+        if isinstance(loop, BusyPollEventLoop):  # polls the channel's port too while it polls for calls
+            loop.poll_also(self._transport.poll)
         log_event(log, "channels on", service=self._transport.service_name, max_channels=self._table.max_channels)
 
     def open(self, authorization: str | None) -> pb.OpenChannelResponse:

@@ -106,6 +106,15 @@ class Iceoryx2Transport:
         self._thread = threading.Thread(target=self._wait, name="logitserve-channel-wake", daemon=True)
         self._thread.start()
 
+    def poll(self) -> bool:
+        """Whether a request waits (then a drain is scheduled on the loop, which calls this): a
+        busy-polling loop (server/busy_poll.py) finds requests without the wake thread."""
+        if self._closing or self._drain_scheduled or not self._server.has_requests:
+            return False
+        self._drain_scheduled = True
+        self._loop.call_soon(self._drain)
+        return True
+
     def _wait(self) -> None:
         """The wake thread: sleeps until a caller notifies, then has the loop drain the port (one
         drain scheduled at a time: notifications that come meanwhile are served by it)."""
