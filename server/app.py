@@ -101,7 +101,7 @@ class Service:
                                       pin_system=device.type == "cuda", key_scope=config.resolved_shm_key_scope)
         # Sampling state of every caller's open sequences (server/sequences.py), on the device.
         self.sequences = SequenceTable(config.max_sequences, config.sequence_idle_s, device)
-        self.metrics = Metrics()
+        self.metrics = Metrics(device=str(device))
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         try:
             self.tokens = TokenStore(config.auth_token_file) if config.auth_token_file else None
@@ -142,7 +142,7 @@ class Service:
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)
         # Same-host channels reach LogitServe's guarded handlers, as gRPC does (server/channel/).
         self.channels = ChannelService(config.channels, config.max_channels, config.channel_idle_s,
-                                       config.max_message_bytes, guarded.handlers)
+                                       config.max_message_bytes, guarded.handlers, self.occupancy)
         regions_servicer.add_to_server(self.regions, guarded)
         kserve.add_to_server(self, guarded)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
@@ -274,7 +274,8 @@ class Service:
                         max_sequences=c.max_sequences, sequence_idle_s=c.sequence_idle_s),
             stats=dict(launches=self.batcher.launches, batched_requests=self.batcher.batched_requests,
                        queue_depth=self.batcher.queue_depth, plan_cache_size=self.handle.plan_cache_size,
-                       **self.sequences.stats()))
+                       **self.sequences.stats()),
+            device_endpoints=c.endpoints)
 
 
 def create_server(config: ServerConfig) -> tuple[Service, int]:

@@ -32,10 +32,13 @@ LONE_CLIENT_CROWD_S = 0.05
 
 
 def serves_a_lone_client(occupancy: Occupancy) -> bool:
-    """Whether the latest call came after LONE_CLIENT_IDLE_S of idleness and no two calls were in
-    the server at once for LONE_CLIENT_CROWD_S."""
-    return (occupancy.idle_before >= LONE_CLIENT_IDLE_S
-            and time.monotonic() - occupancy.crowded_at >= LONE_CLIENT_CROWD_S)
+    """Whether no two calls were in the server at once for LONE_CLIENT_CROWD_S, and the latest
+    call came after LONE_CLIENT_IDLE_S of idleness or a same-host channel brought a call within
+    LONE_CLIENT_CROWD_S (a channel's lone client calls again within microseconds, which the idle
+    rule, made for gRPC's round trips, would take for load)."""
+    now = time.monotonic()
+    return (now - occupancy.crowded_at >= LONE_CLIENT_CROWD_S
+            and (occupancy.idle_before >= LONE_CLIENT_IDLE_S or now - occupancy.channel_call_at < LONE_CLIENT_CROWD_S))
 
 
 def _never() -> bool:

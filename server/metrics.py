@@ -1,12 +1,15 @@
-"""Prometheus metrics: requests, failures by code, latency and queue time, batches, launches.
+"""Prometheus metrics: requests, failures by code, latency and queue time, batches, launches,
+and the device the process runs on.
 
 Each server owns a registry (several servers in one test process do not collide); with
-``--metrics-port`` it is served over HTTP at ``/metrics``.
+``--metrics-port`` it is served over HTTP at ``/metrics``. Under ``--devices`` each device's
+process serves its own (``--metrics-port`` + i), and ``logitserve_device_info{device="cuda:1"}``
+says whose they are.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 # Seconds: 50 us (a warm in-process call) to 10 s (a cold compile or a long queue).
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 10)
@@ -17,9 +20,12 @@ SIZE_BUCKETS = tuple(2.0**i for i in range(13))
 class Metrics:
     """The server's metrics in their own registry."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # Constant 1, its label the torch device ("cuda:1", "cpu"): joins a process's series to its GPU.
+        self.device = Info("logitserve_device", "The device this process runs its kernels on", registry=r)
+        self.device.info({"device": device})
         self.requests = Counter("logitserve_requests", "RPCs received, by method", ["rpc"], registry=r)
         self.failures = Counter("logitserve_failures", "RPCs that ended with a status other than OK",
                                 ["rpc", "code"], registry=r)

@@ -20,6 +20,7 @@ class Occupancy:
         self.calls = 0
         self.idle_before = 0.0  # seconds
         self.crowded_at = -math.inf  # time.monotonic()
+        self.channel_call_at = -math.inf  # when the latest same-host channel call arrived
         self._empty_since = time.monotonic()
 
     def enter(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import time
 
 import grpc
 
@@ -40,7 +41,8 @@ class ChannelService:
     """Channels of one server process. ``handlers``: the guarded handlers by method path (what
     GuardedRegistrar registered with gRPC); ``max_message_bytes``: the limit of requests and answers."""
 
-    def __init__(self, enabled: bool, max_channels: int, idle_s: float, max_message_bytes: int, handlers: dict):
+    def __init__(self, enabled: bool, max_channels: int, idle_s: float, max_message_bytes: int, handlers: dict,
+                 occupancy=None):
         self._unavailable = None if enabled else "this server runs with --channels off"
         if self._unavailable is None:
             self._unavailable = transport.available()
@@ -49,6 +51,7 @@ class ChannelService:
         self._handlers = {number: handlers[f"/{LOGITSERVE}/{name}"] for number, name in fmt.METHODS.items()}
         self._transport: transport.Iceoryx2Transport | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._occupancy = occupancy  # told when a channel call arrives (server/busy_poll.py's rule)
 
     @property
     def open_channels(self) -> int:
@@ -116,6 +119,8 @@ class ChannelService:
             return self._refuse(active, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"request: a {size - message_at}-byte message, over this server's limit of "
                                 f"{self._max_message_bytes} (--max-message-bytes)", channel.event)
+        if self._occupancy is not None:
+            self._occupancy.channel_call_at = time.monotonic()
         request_id = ctypes.string_at(address + fmt.REQUEST_HEADER.size, id_bytes).decode("ascii", "replace")
         message = ctypes.string_at(address + message_at, size - message_at)
         context = ChannelCallContext(channel.peer, channel.authorization, request_id,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,9 +22,12 @@ class ServerInfo:
     warmed_dtypes: list[torch.dtype]
     limits: dict[str, int]
     stats: dict[str, int]
+    # Under --devices: every device's process, (device, address), in device order.
+    device_endpoints: list[tuple[str, str]] = field(default_factory=list)
 
     def to_pb(self) -> pb.GetServerInfoResponse:
         return pb.GetServerInfoResponse(
             version=self.version, device=self.device, device_name=self.device_name, backend=self.backend,
             dtypes=[PB_DTYPES[d] for d in FLOATS], warmed_dtypes=[PB_DTYPES[d] for d in self.warmed_dtypes],
-            limits=pb.Limits(**self.limits), stats=pb.ServerStats(**self.stats))
+            limits=pb.Limits(**self.limits), stats=pb.ServerStats(**self.stats),
+            device_endpoints=[pb.DeviceEndpoint(device=d, address=a) for d, a in self.device_endpoints])

@@ -19,6 +19,18 @@ from .region import Region, RegionInfo, RegionLease
 from .system import open_system
 
 
+def _not_this_device(device_id: int, devices: frozenset[int]) -> str:
+    """Why a CUDA region on ``device_id`` is refused by a server of ``devices``, and where it goes."""
+    if not devices:
+        return (f"device_id: {device_id} is not a device of this server (none): it runs on the CPU; register "
+                f"host memory (register_system) instead, or the region with a server on cuda:{device_id}")
+    here = ", ".join(f"cuda:{d}" for d in sorted(devices))
+    return (f"device_id: {device_id} is not a device of this server ({here}): the region's memory is on "
+            f"cuda:{device_id}, and this process runs on {here} (its --device); register it with the process of "
+            f"cuda:{device_id} (a server started with --devices names it in GetServerInfo's device_endpoints, "
+            f"and the logitserve client sends it there itself)")
+
+
 class RegionRegistry:
     """The regions of every owner; see the module's docstring.
 
@@ -143,8 +155,7 @@ class RegionRegistry:
         if not isinstance(device_id, int) or device_id < 0:
             raise ValueError(f"device_id: must be an integer >= 0, got {device_id!r}")
         if self.devices is not None and device_id not in self.devices:
-            raise ValueError(f"device_id: {device_id} is not a device of this server "
-                             f"({', '.join(map(str, sorted(self.devices))) or 'none'})")
+            raise ValueError(_not_this_device(device_id, self.devices))
         raw_handle = bytes(raw_handle)
         if len(raw_handle) != CUDA_IPC_HANDLE_BYTES:
             raise ValueError(f"raw_handle: {len(raw_handle)} bytes, but a cudaIpcMemHandle_t has "
