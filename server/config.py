@@ -190,7 +190,7 @@ class ServerConfig:
                 raise ValueError(f"devices: not with --device {self.device}: --devices starts one process per "
                                  f"device, each on its own --device")
             if self.workers > 1:
-                raise ValueError(f"devices: not with workers = {self.workers}: each device gets one process (for "
+                raise ValueError(f"devices: not with --workers {self.workers}: each device gets one process (for "
                                  f"more processes on a GPU, run a --workers server per GPU with --device)")
             if self.device_endpoints:
                 raise ValueError("devices: not with device_endpoints (set by --devices for its own processes)")

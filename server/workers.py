@@ -48,8 +48,11 @@ def start_server(config: ServerConfig, index: int) -> subprocess.Popen:
 def supervise(processes: list[subprocess.Popen], logger: logging.Logger, name: str) -> int:
     """Pass SIGTERM, SIGINT and SIGHUP on to ``processes`` until all have exited; one that exits on
     its own stops the others. Logs ``"<name> exited, stopping the others"`` and ``"<name>s
-    stopped"`` (with every exit code); returns the first code that is not 0, else 0."""
+    stopped"`` (with every exit code); returns the code of the one that exited on its own, else
+    the first that is not 0, else 0 (the others' codes are those of being stopped: -15 for one
+    stopped before it could drain)."""
     stopping = False
+    failed = None
 
     def forward(signum, _frame):
         nonlocal stopping
@@ -65,14 +68,15 @@ def supervise(processes: list[subprocess.Popen], logger: logging.Logger, name: s
         codes = [p.poll() for p in processes]
         if all(c is not None for c in codes):
             break
-        failed = next((c for c in codes if c is not None and not stopping), None)
-        if failed is not None:
-            log_event(logger, f"{name} exited, stopping the others", code=failed)
-            forward(signal.SIGTERM, None)
+        if not stopping:
+            failed = next((c for c in codes if c is not None), None)
+            if failed is not None:
+                log_event(logger, f"{name} exited, stopping the others", code=failed)
+                forward(signal.SIGTERM, None)
         time.sleep(0.1)
     codes = [p.returncode for p in processes]
     log_event(logger, f"{name}s stopped", codes=codes)
-    return next((c for c in codes if c != 0), 0)
+    return failed if failed is not None else next((c for c in codes if c != 0), 0)
 
 
 def run_workers(config: ServerConfig) -> int:

@@ -47,6 +47,30 @@ def available() -> str | None:
     return None
 
 
+def _sockets() -> set[int]:
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                found.add(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def _listener_and_fd(event_service):
+    """A listener of ``event_service`` and the socket it waits on, for the event loop to watch
+    (None where not found: the wake thread waits instead). iceoryx2's listener waits on a Unix
+    datagram socket, which its Rust API hands to reactors (FileDescriptorBased, as its WaitSet
+    uses it) and its Python binding does not: it is found as the one socket the creation opened."""
+    before = _sockets() if os.environ.get("LOGITSERVE_CHANNEL_WAKE") != "thread" else None
+    listener = event_service.listener_builder().create()
+    if before is None:
+        return listener, None
+    opened = _sockets() - before
+    return listener, (opened.pop() if len(opened) == 1 else None)
+
+
 class ChannelEvent:
     """A channel's wake-up event: its service (kept open while the channel is) and notifier."""
 
@@ -86,7 +110,7 @@ class Iceoryx2Transport:
         wake = (self._node.service_builder(iox2.ServiceName.new(self.wake_name)).event()
                 .max_notifiers(2 * max_channels + 1).max_nodes(2 * max_channels + 1).max_listeners(1).create())
         self._wake = wake
-        self._listener = wake.listener_builder().create()
+        self._listener, self.wake_fd = _listener_and_fd(wake)
         self._stopper = wake.notifier_builder().create()
         self._loop = None
         self._on_request = None
@@ -103,8 +127,18 @@ class Iceoryx2Transport:
 
     def start(self, loop, on_request) -> None:
         self._loop, self._on_request = loop, on_request
+        if self.wake_fd is not None:
+            loop.add_reader(self.wake_fd, self._woken)
+            return
         self._thread = threading.Thread(target=self._wait, name="logitserve-channel-wake", daemon=True)
         self._thread.start()
+
+    def _woken(self) -> None:
+        """The wake event's socket is readable (on the loop): take its notifications, drain."""
+        self._listener.try_wait()
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._drain()
 
     def poll(self) -> bool:
         """Whether a request waits (then a drain is scheduled on the loop, which calls this): a
@@ -161,6 +195,8 @@ class Iceoryx2Transport:
     def close(self) -> None:
         """Stop the wake thread and drop the ports: callers see the server gone."""
         self._closing = True
+        if self.wake_fd is not None and self._loop is not None:
+            self._loop.remove_reader(self.wake_fd)
         self._stopper.notify()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
