@@ -25,6 +25,7 @@ import grpc
 from logitserve.v1 import logitserve_pb2 as pb
 
 from . import balancing, messages, results, same_host, sequences, wire
+from .devices import DeviceRouting
 from .errors import LogitServeError
 from .results import SampleResult, ServerInfo, StepResult, VerifyDraftResult
 from .region_methods import RegionMethods
@@ -39,7 +40,8 @@ CLOSE_TIMEOUT_S = 5.0
 class _Methods(RegionMethods, sequences.SequenceMethods):
     """The RPC methods, written once for both clients.
 
-    Requests go to gRPC as bytes the client serialized itself (:meth:`_send`: each tensor's bytes
+    Requests go to gRPC as bytes the client serialized itself (``_send``, of
+    :class:`~.devices.DeviceRouting`, which sends each to its device's process: each tensor's bytes
     copied once) and answers come back as bytes the client reads (:mod:`.wire`): the channel's
     methods have no serializers of their own.
     """
@@ -78,18 +80,6 @@ class _Methods(RegionMethods, sequences.SequenceMethods):
     def _deadline(self, timeout) -> float | None:
         timeout = self.timeout if timeout is CLIENT_TIMEOUT else timeout
         return None if timeout is None else time.monotonic() + timeout
-
-    def _encoder(self) -> messages.Encoder:
-        return messages.Encoder(self._regions)
-
-    def _send(self, rpc: str, enc: messages.Encoder, msg, response_type, read, timeout, stream):
-        """Synchronize what the request names on CUDA, serialize it (tensor bytes copied once)
-        and call ``rpc``; the answer is read by ``read`` with the request's ``out=`` outputs."""
-        synchronize(enc.cuda_devices, stream)
-        payload = enc.serialize(msg, self._recycler)
-        self._recycler.give_back(payload)  # reused only once nothing references it (after this call)
-        return self._call(rpc, payload, timeout, results.reader(response_type, read, enc.outputs),
-                          self._forgetting_missing(enc.referenced))
 
     def _simple(self, rpc: str, msg, response_type, convert, timeout, after=None, on_error=None):
         return self._call(rpc, msg.SerializeToString(), timeout, parse_as(response_type, convert, after), on_error)
@@ -232,7 +222,7 @@ class _Methods(RegionMethods, sequences.SequenceMethods):
                             results.server_info, timeout)
 
 
-class Client(_Methods):
+class Client(DeviceRouting, _Methods):
     """Blocking client; a context manager that closes its channel.
 
     >>> with Client("127.0.0.1:50051") as client:                  # doctest: +SKIP
@@ -307,7 +297,9 @@ class Client(_Methods):
 
     def close(self) -> None:
         """Unregister the regions registered through this client (best effort: never raises),
-        then close the channel."""
+        then close the channel; first those of its device clients (:mod:`.devices`)."""
+        for device_client in self._routes.clients():
+            device_client.close()
         names = self._regions.names
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for rpc, request in same_host.closing_calls(self._same_host, self._unregister_requests()):
@@ -323,7 +315,7 @@ class Client(_Methods):
         self.close()
 
 
-class AsyncClient(_Methods):
+class AsyncClient(DeviceRouting, _Methods):
     """asyncio client, with :class:`Client`'s arguments (and its ordering and closing rules);
     every method is awaited. The CUDA stream synchronization before a call blocks the event
     loop for as long as the stream's pending work takes.
@@ -389,6 +381,8 @@ class AsyncClient(_Methods):
 
     async def close(self) -> None:
         """:meth:`Client.close` for asyncio."""
+        for device_client in self._routes.clients():
+            await device_client.close()
         names = self._regions.names
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for rpc, request in same_host.closing_calls(self._same_host, self._unregister_requests()):

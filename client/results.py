@@ -5,7 +5,7 @@ server wrote into a region, the ``out=`` argument itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import grpc
@@ -75,6 +75,9 @@ class ServerInfo:
     warmed_dtypes: tuple[str, ...]
     limits: dict[str, int]
     stats: dict[str, int]
+    # A server started with --devices: every device's process, {device: address}, in device order,
+    # as the server wrote it (client/devices.py reads 0.0.0.0 or [::] as the host dialled).
+    device_endpoints: dict[str, str] = field(default_factory=dict)
 
 
 
@@ -159,4 +162,5 @@ def server_info(msg: pb.GetServerInfoResponse) -> ServerInfo:
     return ServerInfo(
         version=msg.version, device=msg.device, device_name=msg.device_name, backend=msg.backend,
         dtypes=tuple(dtype_name(d) for d in msg.dtypes), warmed_dtypes=tuple(dtype_name(d) for d in msg.warmed_dtypes),
-        limits=fields(msg.limits), stats=fields(msg.stats))
+        limits=fields(msg.limits), stats=fields(msg.stats),
+        device_endpoints={e.device: e.address for e in msg.device_endpoints})

@@ -95,7 +95,7 @@ class _Ports:
             return node.service_builder(iox2.ServiceName.new(name))
 
         self.calls = service(opened.service_name).request_response(byte_slice, byte_slice).open()
-        self.client = (self.calls.client_builder().initial_max_slice_len(64 * 1024)
+        self.client = (self.calls.client_builder().initial_max_slice_len(4096)
                        .allocation_strategy(iox2.AllocationStrategy.PowerOfTwo).create())
         self.wake_service = service(opened.server_event).event().open()
         self.wake = self.wake_service.notifier_builder().create()
@@ -136,11 +136,16 @@ class SameHostChannel:
         head = fmt.REQUEST_HEADER.pack(ports.key, fmt.METHOD_NUMBERS[method], 0,
                                        0 if timeout is None else max(1, int(timeout * 1e6)))
         with self._lock:
-            out = ports.client.loan_slice_uninit(len(head) + len(request))
-            at = out.payload().data_ptr
-            ctypes.memmove(at, head, len(head))
-            ctypes.memmove(at + len(head), request, len(request))
-            pending = out.assume_init().send()
+            try:
+                out = ports.client.loan_slice_uninit(len(head) + len(request))
+                at = out.payload().data_ptr
+                ctypes.memmove(at, head, len(head))
+                ctypes.memmove(at + len(head), request, len(request))
+                pending = out.assume_init().send()
+            except Exception as exc:  # noqa: BLE001 - iceoryx2's loan and send errors
+                raise ChannelError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"channel: cannot send ({exc!r}): its slots are held by earlier calls whose "
+                                   f"deadlines passed before the server answered them; retry later") from None
             ports.wake.notify()
             try:
                 answer = self._wait(ports, pending, deadline)
@@ -185,6 +190,7 @@ def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel |
     if settings is None:
         return None, {}
     same_host = SameHostChannel(settings)
+    grpc_methods = dict(grpc_methods)  # gRPC's own: the caller puts the carried methods in its dict
     open_request = pb.OpenChannelRequest().SerializeToString()
 
     def ready(opened: bytes) -> None:

@@ -121,7 +121,7 @@ class ServerConfig:
     # instead of gRPC. Most open at once, all callers together, and how long one without a call
     # stays open. Off, or without iceoryx2 installed, OpenChannel is FAILED_PRECONDITION.
     channels: bool = True
-    max_channels: int = 64
+    max_channels: int = 32
     channel_idle_s: float = 600.0
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0

@@ -6,10 +6,14 @@ whose one server port takes every channel's requests, and one event service (``<
 that callers notify after sending. Per channel: an event service the server notifies after
 answering it. iceoryx2's request-response has no blocking receive, hence the events.
 
-One thread sleeps on the wake event (iceoryx2's blocking wait lets go of the GIL) and hands the
-event loop a drain of the server port; everything else (receiving, answering, notifying) runs on
-the loop, so each port is used by one thread. A caller that went away mid-call leaves a request
-whose answer cannot be delivered: the answer is dropped, nothing else changes.
+The event loop watches the wake event's socket as it watches gRPC's, and a busy-polling loop
+(server/busy_poll.py) also polls the server port: a call reaches the loop with no thread between.
+Where the socket cannot be found, a thread sleeps on the event instead (iceoryx2's blocking wait
+lets go of the GIL) and hands the loop each drain; on an H200 host that hand-over cost a
+RouteExperts 1x8 call 428-553 us p50 against 264-382 us watched by the loop (docs/PERFORMANCE.md).
+Receiving, answering and notifying run on the loop alone, so each port is used by one thread. A
+caller that went away mid-call leaves a request whose answer cannot be delivered: the answer is
+dropped, nothing else changes.
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ log = get_logger("channel")
 # The iceoryx2 release this server is built against; OpenChannel tells callers, whose release must
 # be the same (the shared-memory layout is not stable across releases).
 ICEORYX2_VERSION = "0.10.0"
-# Calls one channel may have in flight (iceoryx2 sizes its queues by it).
-MAX_CALLS_PER_CHANNEL = 16
+# Calls one channel may have in flight: one, and one whose caller stopped waiting (its deadline
+# passed) that the server has not answered yet. iceoryx2 sizes each connection's shared memory by
+# it and by the callers there may be (2 x --max-channels): about 1.6 MB a channel at 32 channels,
+# growing with --max-channels (docs/SERVICE.md).
+MAX_CALLS_PER_CHANNEL = 2
 # First size of a port's message slots; they grow by powers of two up to the channel's limit.
-INITIAL_SLICE_BYTES = 64 * 1024
+INITIAL_SLICE_BYTES = 4096
 
 
 def available() -> str | None:
@@ -63,10 +70,8 @@ def _listener_and_fd(event_service):
     (None where not found: the wake thread waits instead). iceoryx2's listener waits on a Unix
     datagram socket, which its Rust API hands to reactors (FileDescriptorBased, as its WaitSet
     uses it) and its Python binding does not: it is found as the one socket the creation opened."""
-    before = _sockets() if os.environ.get("LOGITSERVE_CHANNEL_WAKE") != "thread" else None
+    before = _sockets()
     listener = event_service.listener_builder().create()
-    if before is None:
-        return listener, None
     opened = _sockets() - before
     return listener, (opened.pop() if len(opened) == 1 else None)
 
@@ -103,7 +108,8 @@ class Iceoryx2Transport:
                  # Room for the callers of every channel, and as many again whose process died
                  # and whose ports iceoryx2 has not cleaned up yet.
                  .max_clients(2 * max_channels).max_nodes(2 * max_channels + 1).max_servers(1)
-                 .max_active_requests_per_client(MAX_CALLS_PER_CHANNEL).create())
+                 .max_active_requests_per_client(MAX_CALLS_PER_CHANNEL)
+                 .max_response_buffer_size(1).max_borrowed_responses_per_pending_response(1).create())
         self._server = (calls.server_builder().initial_max_slice_len(INITIAL_SLICE_BYTES)
                         .allocation_strategy(iox2.AllocationStrategy.PowerOfTwo).create())
         self._calls = calls
