@@ -19,9 +19,14 @@ only the client's own. Other tensors go as bytes copied once into the request
 protobuf and numpy; torch is optional (torch tensors are accepted when it is installed, and
 :func:`~logitserve.client.codec.decode_torch` keeps bfloat16 results as bfloat16).
 
+``channel="shm"`` sends the operator calls through a same-host channel (shared memory,
+iceoryx2: ``pip install 'logitserve[channel]'``) instead of gRPC; against a server started with
+``--devices``, each call goes to the process of its tensors' GPU.
+
 Modules, from the top: :mod:`.client` (``Client``, ``AsyncClient``: the operator methods and
-the calls), :mod:`.region_methods` (the SharedMemory service's methods, a mixin of both
-clients), :mod:`.transport` (channel, method paths, timeout, backoff, CUDA synchronization),
+the calls), :mod:`.devices` (each call to its GPU's process; :mod:`.device_routes`, what it
+reads), :mod:`.same_host` (the same-host channel), :mod:`.region_methods` (the SharedMemory
+service's methods, a mixin of both clients), :mod:`.transport` (channel, method paths, timeout, backoff, CUDA synchronization),
 :mod:`.messages` (requests built from tensors), :mod:`.results` (answers read),
 :mod:`.region_table` (the regions a client registered, found by address), :mod:`.region_names`
 (the caller's names and the server's), :mod:`.regions` (shared memory to register and the
