@@ -114,9 +114,11 @@ class SameHostChannel:
         self._poll_s = settings.poll_us * 1e-6
         self._ports: _Ports | None = None
         self._lock = threading.Lock()
+        self.opens = 0  # channels opened so far (a new one after the server forgot the last)
 
     def open(self, opened: pb.OpenChannelResponse) -> None:
         self._ports = _Ports(opened)
+        self.opens += 1
 
     @property
     def is_open(self) -> bool:
@@ -161,6 +163,9 @@ class SameHostChannel:
     def _wait(self, ports: _Ports, pending, deadline: float | None) -> bytes:
         poll_until = time.perf_counter() + self._poll_s
         while True:
+            # Read before receiving: a server that answers and lets go of the request between
+            # the two would otherwise look gone with its answer waiting.
+            connected = pending.is_connected
             response = pending.receive()
             if response is not None:
                 payload = response.payload()
@@ -172,7 +177,7 @@ class SameHostChannel:
                 continue
             if deadline is not None and now >= deadline:
                 raise ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed waiting for the answer")
-            if not pending.is_connected:
+            if not connected:
                 self._ports = None
                 raise ChannelError(grpc.StatusCode.UNAVAILABLE, "channel: the server has gone (stopped or restarted)")
             ports.answered.timed_wait(ports.slice_wait)
