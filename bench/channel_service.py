@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                   vocab=args.vocab or (128256 if cuda else 4096), sample_rows=[int(r) for r in rows.split(",")])
     tiny_calls = args.tiny_calls or (2000 if cuda else 500)
     server_argv = serve_argv("--device", args.device, "--backend", args.backend, "--warmup-dtypes", "float32",
-                             "--warmup-widths", str(shapes["vocab"]), "--max-batch-rows", "512",
+                             "--warmup-widths", str(shapes["vocab"]), "--max-batch-rows", "512", "--max-rows", "16384",
                              "--max-delay-us", "0", *args.server_flag)
     meta = dict(command="python -m bench.channel_service " + shlex.join(argv if argv is not None else sys.argv[1:]),
                 date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine_line(args),

@@ -64,9 +64,12 @@ def open_cuda(name, owner, raw_handle, device_id, offset, byte_size) -> Region:
 
         try:
             ok = driver.CUresult.CUDA_SUCCESS
-            err, owner_device = driver.cuPointerGetAttribute(
-                driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, base)
-            if err == ok and int(owner_device) != device_id:
+            # The runtime's pointer attributes, not the driver's DEVICE_ORDINAL: on a 2-GPU H200
+            # host that answered 0 for memory on device 1 (also in the process that allocated it),
+            # refusing every region of a GPU but the first.
+            err, attributes = runtime.cudaPointerGetAttributes(base)
+            owner_device = attributes.device if err == success else device_id
+            if int(owner_device) != device_id:
                 raise ValueError(f"device_id: {device_id}, but the allocation of raw_handle is on device "
                                  f"{int(owner_device)}")
             err, _start, size = driver.cuMemGetAddressRange(base)
