@@ -30,6 +30,9 @@ from logitserve.v1 import logitserve_pb2 as pb
 # learns of an answer whose notification it cannot get (a key the server no longer knows) or of
 # a server that has gone.
 WAIT_SLICE_S = 0.005
+# How often a call waiting for its answer asks iceoryx2 to clean up the ports of dead processes
+# (a few ms each): bounds how late it learns that its server was killed.
+DEAD_SERVER_CHECK_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -114,11 +117,29 @@ class SameHostChannel:
         self._poll_s = settings.poll_us * 1e-6
         self._ports: _Ports | None = None
         self._lock = threading.Lock()
+        self._opening = threading.Lock()  # one OpenChannel at a time: threads share the one channel
         self.opens = 0  # channels opened so far (a new one after the server forgot the last)
 
-    def open(self, opened: pb.OpenChannelResponse) -> None:
-        self._ports = _Ports(opened)
-        self.opens += 1
+    def ports(self, open_channel) -> _Ports:
+        """The open channel's ports; ``open_channel()`` (OpenChannel's answer, bytes) first
+        where none is open."""
+        with self._opening:
+            if self._ports is None:
+                self.install(open_channel())
+            return self._ports
+
+    def install(self, opened: bytes) -> _Ports:
+        """OpenChannel's answer, kept unless a channel is open already (another task opened one)."""
+        if self._ports is None:
+            self._ports = _Ports(pb.OpenChannelResponse.FromString(opened))
+            self.opens += 1
+        return self._ports
+
+    def _forget(self, ports: _Ports) -> None:
+        """Drop ``ports`` (the server forgot their channel, or has gone), unless another call
+        has opened a new channel since."""
+        if self._ports is ports:
+            self._ports = None
 
     @property
     def is_open(self) -> bool:
@@ -128,12 +149,15 @@ class SameHostChannel:
     def key(self) -> bytes | None:
         return None if self._ports is None else self._ports.key
 
-    def fits(self, request: bytes) -> bool:
-        return fmt.REQUEST_HEADER.size + len(request) <= self._ports.max_request_bytes
+    @staticmethod
+    def fits(ports: _Ports, request: bytes) -> bool:
+        """Whether the server takes ``request`` by the channel: max_request_bytes leaves room for
+        a request id, which this client does not send."""
+        return fmt.REQUEST_HEADER.size + fmt.MAX_REQUEST_ID + len(request) <= ports.max_request_bytes
 
-    def call(self, method: str, request: bytes, timeout: float | None) -> bytes:
-        """The answer's response message to ``request``; raises :class:`ChannelError`."""
-        ports = self._ports
+    def call(self, ports: _Ports, method: str, request: bytes, timeout: float | None) -> bytes:
+        """The answer's response message to ``request``, sent through ``ports``; raises
+        :class:`ChannelError`."""
         deadline = None if timeout is None else time.perf_counter() + timeout
         head = fmt.REQUEST_HEADER.pack(ports.key, fmt.METHOD_NUMBERS[method], 0,
                                        0 if timeout is None else max(1, int(timeout * 1e6)))
@@ -156,12 +180,13 @@ class SameHostChannel:
         code, _request_id, details, message = fmt.read_answer(answer)
         if code != 0:
             if details.startswith(fmt.UNKNOWN_KEY):
-                self._ports = None  # opened again by the next call
+                self._forget(ports)  # the caller opens a new one and sends the call again
             raise ChannelError(_CODES.get(code, grpc.StatusCode.UNKNOWN), details)
         return message
 
     def _wait(self, ports: _Ports, pending, deadline: float | None) -> bytes:
         poll_until = time.perf_counter() + self._poll_s
+        look_for_dead_at = poll_until + DEAD_SERVER_CHECK_S
         while True:
             # Read before receiving: a server that answers and lets go of the request between
             # the two would otherwise look gone with its answer waiting.
@@ -177,13 +202,26 @@ class SameHostChannel:
                 continue
             if deadline is not None and now >= deadline:
                 raise ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed waiting for the answer")
+            if now >= look_for_dead_at:
+                # A killed server never lets go of its ports: iceoryx2 removes a dead process's
+                # ports when asked, which disconnects this call (read as the server gone).
+                ports.node.try_cleanup_dead_nodes()
+                look_for_dead_at = now + DEAD_SERVER_CHECK_S
             if not connected:
-                self._ports = None
+                self._forget(ports)
                 raise ChannelError(grpc.StatusCode.UNAVAILABLE, "channel: the server has gone (stopped or restarted)")
             ports.answered.timed_wait(ports.slice_wait)
 
     def close(self) -> None:
         self._ports = None
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel | None, dict]:
@@ -198,25 +236,40 @@ def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel |
     grpc_methods = dict(grpc_methods)  # gRPC's own: the caller puts the carried methods in its dict
     open_request = pb.OpenChannelRequest().SerializeToString()
 
-    def ready(opened: bytes) -> None:
-        same_host.open(pb.OpenChannelResponse.FromString(opened))
+    opening = None  # the AsyncClient's lock around OpenChannel (made on its loop)
 
     def blocking(name):
         def method(request, timeout=None, metadata=()):
-            if not same_host.is_open:
-                ready(grpc_methods["OpenChannel"](open_request, timeout=timeout, metadata=metadata))
-            if not same_host.fits(request):
-                return grpc_methods[name](request, timeout=timeout, metadata=metadata)
-            return same_host.call(name, request, timeout)
+            deadline = _deadline(timeout)
+            for resend in (False, True):
+                ports = same_host.ports(lambda: grpc_methods["OpenChannel"](
+                    open_request, timeout=_remaining(deadline), metadata=metadata))
+                if not same_host.fits(ports, request):
+                    return grpc_methods[name](request, timeout=_remaining(deadline), metadata=metadata)
+                try:
+                    return same_host.call(ports, name, request, _remaining(deadline))
+                except ChannelError as exc:
+                    if resend or not exc.details().startswith(fmt.UNKNOWN_KEY):
+                        raise
+                    # The server refused it unread (its channel closed): sent again on a new one.
         return method
 
     def awaitable(name):
         async def method(request, timeout=None, metadata=()):
-            if not same_host.is_open:
-                ready(await grpc_methods["OpenChannel"](open_request, timeout=timeout, metadata=metadata))
-            if not same_host.fits(request):
-                return await grpc_methods[name](request, timeout=timeout, metadata=metadata)
-            return await asyncio.to_thread(same_host.call, name, request, timeout)
+            nonlocal opening
+            deadline = _deadline(timeout)
+            for resend in (False, True):
+                opening = opening or asyncio.Lock()
+                async with opening:
+                    ports = same_host._ports or same_host.install(await grpc_methods["OpenChannel"](
+                        open_request, timeout=_remaining(deadline), metadata=metadata))
+                if not same_host.fits(ports, request):
+                    return await grpc_methods[name](request, timeout=_remaining(deadline), metadata=metadata)
+                try:
+                    return await asyncio.to_thread(same_host.call, ports, name, request, _remaining(deadline))
+                except ChannelError as exc:
+                    if resend or not exc.details().startswith(fmt.UNKNOWN_KEY):
+                        raise
         return method
 
     make = awaitable if is_async else blocking

@@ -30,7 +30,7 @@ from .table import ChannelTable
 log = get_logger("channel")
 
 LOGITSERVE = pb.DESCRIPTOR.services_by_name["LogitServe"].full_name
-MAX_REQUEST_ID = 128  # as guard.MAX_REQUEST_ID: a longer one the guard refuses, so no more is read
+MAX_REQUEST_ID = fmt.MAX_REQUEST_ID  # as guard.MAX_REQUEST_ID: a longer one the guard refuses
 
 
 def _status_code(code: grpc.StatusCode) -> int:

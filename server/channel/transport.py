@@ -175,7 +175,12 @@ class Iceoryx2Transport:
         if self._closing:
             return
         while True:
-            active = self._server.receive()
+            try:
+                active = self._server.receive()
+            except Exception as exc:  # noqa: BLE001 - ExceedsMaxBorrows: a caller's calls in flight are
+                # at MAX_CALLS_PER_CHANNEL (one whose caller gave up still runs); taken once one is answered
+                log_event(log, "receive deferred", level=logging.DEBUG, error=repr(exc))
+                return
             if active is None:
                 return
             payload = active.payload()
@@ -197,6 +202,11 @@ class Iceoryx2Transport:
             active.delete()
         if event is not None:
             event.notify()
+        if not (self._closing or self._drain_scheduled) and self._server.has_requests:
+            # A request left unread while its caller was at its limit (see _drain): read it now,
+            # as no caller will wake the server for it.
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
 
     def close(self) -> None:
         """Stop the wake thread and drop the ports: callers see the server gone."""

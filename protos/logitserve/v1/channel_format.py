@@ -45,6 +45,10 @@ METHODS = {
 }
 METHOD_NUMBERS = {name: number for number, name in METHODS.items()}
 
+# The longest request id a request may carry (the server's x-request-id limit): a request's
+# message may be max_request_bytes - REQUEST_HEADER.size - MAX_REQUEST_ID bytes long, whatever its id.
+MAX_REQUEST_ID = 128
+
 # How an UNAUTHENTICATED answer to a key the server does not know (any more) begins: a caller
 # opens a new channel on it (OpenChannel) and sends the call again.
 UNKNOWN_KEY = "channel: no open channel has this key"
