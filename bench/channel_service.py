@@ -179,7 +179,7 @@ def _git() -> dict:
     def git(*args):
         try:
             return subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True,
-                                  timeout=30).stdout.strip()
+                                  timeout=30).stdout.rstrip("\n")
         except (OSError, subprocess.SubprocessError):
             return ""
 

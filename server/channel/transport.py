@@ -10,7 +10,7 @@ The event loop watches the wake event's socket as it watches gRPC's, and a busy-
 (server/busy_poll.py) also polls the server port: a call reaches the loop with no thread between.
 Where the socket cannot be found, a thread sleeps on the event instead (iceoryx2's blocking wait
 lets go of the GIL) and hands the loop each drain; on an H200 host that hand-over cost a
-RouteExperts 1x8 call 428-553 us p50 against 264-382 us watched by the loop (docs/PERFORMANCE.md).
+RouteExperts 1x8 call 428-553 us p50 against 264-382 us watched by the loop (two runs, 2026-11-27).
 Receiving, answering and notifying run on the loop alone, so each port is used by one thread. A
 caller that went away mid-call leaves a request whose answer cannot be delivered: the answer is
 dropped, nothing else changes.
