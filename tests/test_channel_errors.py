@@ -284,3 +284,22 @@ def test_channels_off():
         assert time.monotonic() - started < 5
         with Client(server.target, timeout=10) as over_grpc:
             assert over_grpc.sample(X, seed=1).valid.all()  # gRPC serves as ever
+
+
+def test_ports_that_cannot_be_made_leave_grpc_serving(monkeypatch):
+    """iceoryx2 failing at start (no writable /dev/shm, say) takes channels off, not the server."""
+    from logitserve.server.channel import transport
+
+    def refuse(*_args, **_kwargs):
+        raise OSError("no space left on /dev/shm")
+
+    monkeypatch.setattr(transport, "Iceoryx2Transport", refuse)
+    config = ServerConfig(host="127.0.0.1", port=0, device="cpu", backend="torch", warmup_dtypes=())
+    with ServerThread(config) as server:
+        with pytest.raises(grpc.RpcError) as info:
+            open_channel(server.target)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "iceoryx2 could not create this server's ports" in info.value.details()
+        assert "no space left on /dev/shm" in info.value.details()
+        with Client(server.target, timeout=10) as over_grpc:
+            assert over_grpc.sample(X, seed=1).valid.all()

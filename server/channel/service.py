@@ -58,12 +58,17 @@ class ChannelService:
         return len(self._table)
 
     def start(self) -> None:
-        """Create the ports and start serving (on the running loop); a server without iceoryx2
-        logs why and goes on without channels."""
+        """Create the ports and start serving (on the running loop); a server without iceoryx2,
+        or whose ports cannot be made (no writable /dev/shm or /tmp/iceoryx2), logs why and goes
+        on without channels: OpenChannel then says why."""
+        if self._unavailable is None:
+            try:
+                self._transport = transport.Iceoryx2Transport(self._table.max_channels)
+            except Exception as exc:  # noqa: BLE001 - whatever iceoryx2 raises: gRPC serves on
+                self._unavailable = f"iceoryx2 could not create this server's ports ({exc!r})"
         if self._unavailable is not None:
             log_event(log, "channels off", reason=self._unavailable)
             return
-        self._transport = transport.Iceoryx2Transport(self._table.max_channels)
         loop = asyncio.get_running_loop()
         self._transport.start(loop, self._on_request)
         if isinstance(loop, BusyPollEventLoop):  # polls the channel's port too while it polls for calls
