@@ -90,6 +90,17 @@ def test_an_idle_channel_is_closed_at_the_next_open_and_its_client_reopens():
         assert server.service.channels.open_channels == 3
 
 
+def test_an_idle_channel_is_closed_without_another_open():
+    """The server sweeps idle channels on its own (a quarter of the idle time apart), so a dead
+    client's channel goes though no one opens another."""
+    with _server(channel_idle_s=0.2) as server, Client(server.target, channel="shm", timeout=20) as client:
+        client.server_info()
+        assert server.service.channels.open_channels == 1
+        time.sleep(0.6)
+        assert server.service.channels.open_channels == 0
+        assert client.server_info().version  # and its client opens a new one
+
+
 def test_drain_with_a_channel_call_in_flight():
     server = _server(grace_period_s=5.0)
     service = server.service

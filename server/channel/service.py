@@ -51,6 +51,7 @@ class ChannelService:
         self._handlers = {number: handlers[f"/{LOGITSERVE}/{name}"] for number, name in fmt.METHODS.items()}
         self._transport: transport.Iceoryx2Transport | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
         self._occupancy = occupancy  # told when a channel call arrives (server/busy_poll.py's rule)
 
     @property
@@ -73,7 +74,20 @@ class ChannelService:
         self._transport.start(loop, self._on_request)
         if isinstance(loop, BusyPollEventLoop):  # polls the channel's port too while it polls for calls
             loop.poll_also(self._transport.poll)
+        self._sweeper = loop.call_later(self._sweep_every(), self._sweep)
         log_event(log, "channels on", service=self._transport.service_name, max_channels=self._table.max_channels)
+
+    def _sweep_every(self) -> float:
+        # A quarter of the idle time (at most a minute): a dead client's channel, its event
+        # service and its shared memory go at most that long after its idle time.
+        return min(self._table.idle_s / 4, 60.0)
+
+    def _sweep(self) -> None:
+        """Close the channels idle past their time (also done at each OpenChannel), and again later."""
+        closed = self._table.sweep()
+        if closed:
+            log_event(log, "idle channels closed", closed=closed, open=len(self._table))
+        self._sweeper = asyncio.get_running_loop().call_later(self._sweep_every(), self._sweep)
 
     def open(self, authorization: str | None) -> pb.OpenChannelResponse:
         if self._transport is None:
@@ -155,6 +169,8 @@ class ChannelService:
     async def stop(self) -> None:
         """Close every channel and the ports (after the drain: calls still here have answered or
         are cancelled now)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
