@@ -118,7 +118,8 @@ def test_reflection_lists_the_services():
         service = DescriptorPool(db).FindServiceByName(SERVICE)
         assert {m.name for m in service.methods} == {"Sample", "RouteExperts", "Softmax", "CausalSoftmax", "Silu",
                                                      "VerifyDraft", "Step", "StreamSteps", "GetServerInfo",
-                                                     "OpenSequences", "CloseSequences", "UpdateSequences"}
+                                                     "OpenSequences", "CloseSequences", "UpdateSequences",
+                                                     "OpenChannel", "CloseChannel"}
 
 
 # ----------------------------------------------------------------------------------------- TLS
