@@ -303,3 +303,18 @@ def test_ports_that_cannot_be_made_leave_grpc_serving(monkeypatch):
         assert "no space left on /dev/shm" in info.value.details()
         with Client(server.target, timeout=10) as over_grpc:
             assert over_grpc.sample(X, seed=1).valid.all()
+
+
+def test_without_the_wake_socket_a_thread_wakes_the_server(monkeypatch):
+    """Where the wake event's socket is not found, a thread waits on the event instead: the
+    channel answers as before."""
+    from logitserve.server.channel import transport
+
+    found = transport._listener_and_fd
+    monkeypatch.setattr(transport, "_listener_and_fd", lambda service: (found(service)[0], None))
+    config = ServerConfig(host="127.0.0.1", port=0, device="cpu", backend="torch", warmup_dtypes=(), busy_poll_us=0)
+    with ServerThread(config) as server, Client(server.target, channel="shm", timeout=20) as over_shm, \
+            Client(server.target, timeout=20) as over_grpc:
+        assert server.service.channels._transport.wake_fd is None
+        for seed in range(5):
+            assert_same(over_shm.sample(X, seed=seed), over_grpc.sample(X, seed=seed))
