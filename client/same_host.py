@@ -201,7 +201,8 @@ class SameHostChannel:
             if now < poll_until:
                 continue
             if deadline is not None and now >= deadline:
-                raise ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed waiting for the answer")
+                # gRPC's own words for a deadline its client saw pass, so both transports read alike.
+                raise ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             if now >= look_for_dead_at:
                 # A killed server never lets go of its ports: iceoryx2 removes a dead process's
                 # ports when asked, which disconnects this call (read as the server gone).
