@@ -134,6 +134,8 @@ class _Methods(RegionMethods, sequences.SequenceMethods):
         Returns a :class:`SampleResult` (``.token_ids`` int64 [B], ``.seeds``, ``.valid``; with
         ``logprobs``: ``.token_logprobs``, ``.token_ranks``, ``.top_token_ids``, ``.top_logprobs``).
         """
+        if processors.get("sequence_ids") is not None:
+            balancing.require_one_server(self, "sample(sequence_ids=)")
         enc = self._encoder()
         msg = messages.build_sample(enc, (), logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     seed=seed, step=step, filter_order=filter_order, random_val=random_val, out=out,

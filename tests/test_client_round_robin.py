@@ -132,6 +132,7 @@ REFUSED = {
     "open_sequences": lambda c, buf: c.open_sequences([{"id": 1, "seed": 7}]),
     "update_sequences": lambda c, buf: c.update_sequences([{"id": 1, "top_k": 5}]),
     "close_sequences": lambda c, buf: c.close_sequences([1]),
+    "sample(sequence_ids=)": lambda c, buf: c.sample(np.zeros((1, VOCAB), np.float32), sequence_ids=[1]),
 }
 
 
