@@ -23,6 +23,8 @@ from typing import Callable
 
 import numpy as np
 
+from .driver import loop_for
+
 TRANSPORTS = ("grpc", "shm")
 SAMPLE_PARAMS = dict(temperature=0.8, top_k=50, top_p=0.9)
 DEEPSEEK_V3 = dict(scoring="sigmoid", n_group=8, topk_group=4, renormalize=True, routed_scaling_factor=2.5)
@@ -306,13 +308,9 @@ def throughput_client(index: int, target: str, phases: list, seconds: float, bar
         for transport, active in phases:
             barrier.wait(timeout=300)
             if index < active:
-                client, ns, opened_before = clients[transport], [], opens_of(clients["shm"])
-                start = time.perf_counter()
-                while time.perf_counter() - start < seconds:
-                    t0 = time.perf_counter_ns()
-                    client.route_experts(gate, 2)
-                    ns.append(time.perf_counter_ns() - t0)
-                results.append(dict(wall_s=time.perf_counter() - start, latencies_ns=ns,
+                client, opened_before = clients[transport], opens_of(clients["shm"])
+                times, wall = loop_for(lambda: client.route_experts(gate, 2), seconds)
+                results.append(dict(wall_s=wall, latencies_ns=[round(t * 1e9) for t in times],
                                     reopened=opens_of(clients["shm"]) - opened_before))
             else:
                 results.append(None)

@@ -33,7 +33,6 @@ import multiprocessing
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,9 @@ import types
 
 import numpy as np
 
+from logitserve.server.process import free_ports
+
+from .driver import loop_for
 from .servers import serve_argv, wait_serving
 from .service import machine_line
 from .zero_copy import PARAMS, _out_bytes, _outputs, _p50_ms
@@ -53,27 +55,12 @@ SUPERVISE_CPU = ("import sys\nfrom logitserve.server import cli\nfrom logitserve
                  "sys.exit(run_devices(config, sys.argv[1].split(',')))\n")
 
 
-def consecutive_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports free on 127.0.0.1 now."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        try:
-            for port in range(first, first + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-
-
 class Server:
     """A server subprocess of ``processes`` processes on consecutive ports (gRPC and metrics), its
     output in a temporary log; SERVING once every process is."""
 
     def __init__(self, label: str, argv: list[str], processes: int, timeout_s: float):
-        port, metrics = consecutive_ports(processes), consecutive_ports(processes)
+        port, metrics = free_ports(processes), free_ports(processes)
         argv = argv + ["--port", str(port), "--metrics-port", str(metrics)]
         self.targets = [f"127.0.0.1:{port + i}" for i in range(processes)]
         self.metrics_urls = [f"http://127.0.0.1:{metrics + i}/metrics" for i in range(processes)]
@@ -145,13 +132,7 @@ def client_loop(device: str, target: str, rows: int, vocab: int, seconds: float,
         index = int(device.split(":")[1]) if device.startswith("cuda") else None
         served_by = (client.on_device(index) if index is not None else client).server_info().device
         barrier.wait()
-        times = []
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            t0 = time.perf_counter()
-            client.sample(logits, **kw, out=outs)
-            times.append(time.perf_counter() - t0)
-        wall = time.perf_counter() - start
+        times, wall = loop_for(lambda: client.sample(logits, **kw, out=outs), seconds)
         result = outs = logits = out_alloc = None
     for buf in bufs:
         buf.array = buf.tensor = None

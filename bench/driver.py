@@ -76,6 +76,17 @@ class OtherLoad:
 
 
 
+def loop_for(call: Callable[[], object], seconds: float) -> tuple[list[float], float]:
+    """``call()`` again and again for ``seconds``: each call's seconds, and the loop's own."""
+    times = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times, time.perf_counter() - start
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile of already sorted values."""
     if not sorted_values:

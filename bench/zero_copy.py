@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-from .driver import ClientFailed, in_client_process
+from .driver import ClientFailed, in_client_process, loop_for
 from .servers import ServerSpec, delta, echo_argv, running_all, scrape, serve_argv
 from .service import machine_line
 
@@ -224,13 +224,7 @@ def client_loop(index: int, target: str, device: str, rows: int, vocab: int, sec
         for _ in range(3):
             client.sample(logits, **kw, out=outs)
         barrier.wait()
-        times = []
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            t0 = time.perf_counter()
-            client.sample(logits, **kw, out=outs)
-            times.append(time.perf_counter() - t0)
-        wall = time.perf_counter() - start
+        times, wall = loop_for(lambda: client.sample(logits, **kw, out=outs), seconds)
         outs = logits = out_alloc = None
     for buf in bufs:
         buf.array = buf.tensor = None

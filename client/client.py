@@ -31,7 +31,7 @@ from .results import SampleResult, ServerInfo, StepResult, VerifyDraftResult
 from .region_methods import RegionMethods
 from .region_names import NEW_SCOPE, Scope
 from .region_table import Registrations, RegionTable
-from .transport import CLIENT_TIMEOUT, METHOD_PATHS, open_channel, parse_as, retry_delay, synchronize
+from .transport import CLIENT_TIMEOUT, METHOD_PATHS, open_channel, parse_as, retry_delay, synchronize, time_left
 
 # How long close() gives the unregistering of the client's regions, in all.
 CLOSE_TIMEOUT_S = 5.0
@@ -263,7 +263,7 @@ class Client(DeviceRouting, _Methods):
         deadline = self._deadline(timeout)
         attempt = 0
         while True:
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            remaining = time_left(deadline)
             try:
                 return parse(method(request, timeout=remaining, metadata=self._metadata))
             except grpc.RpcError as exc:
@@ -284,7 +284,7 @@ class Client(DeviceRouting, _Methods):
         it through a queue). An error ends the stream and raises :class:`LogitServeError`;
         streams are not retried."""
         deadline = self._deadline(timeout)
-        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        remaining = time_left(deadline)
         pending: collections.deque = collections.deque()
         named: Registrations = {}
         call = self._methods["StreamSteps"]((self._step_bytes(s, pending, named) for s in steps), timeout=remaining,
@@ -340,7 +340,7 @@ class AsyncClient(DeviceRouting, _Methods):
     async def _acall(self, method, request, deadline, parse, on_error):
         attempt = 0
         while True:
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            remaining = time_left(deadline)
             try:
                 return parse(await method(request, timeout=remaining, metadata=self._metadata))
             except grpc.RpcError as exc:
@@ -371,7 +371,7 @@ class AsyncClient(DeviceRouting, _Methods):
                     yield self._step_bytes(s, pending, named)
 
         deadline = self._deadline(timeout)
-        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        remaining = time_left(deadline)
         call = self._methods["StreamSteps"](requests(), timeout=remaining, metadata=self._metadata)
         try:
             async for raw in call:

@@ -26,6 +26,8 @@ import grpc
 from logitserve.v1 import channel_format as fmt
 from logitserve.v1 import logitserve_pb2 as pb
 
+from .transport import time_left
+
 # Longest a waiting call sleeps before it looks again without being woken: bounds how late it
 # learns of an answer whose notification it cannot get (a key the server no longer knows) or of
 # a server that has gone.
@@ -110,8 +112,8 @@ class _Ports:
 
 
 class SameHostChannel:
-    """One channel to one server; ``open_channel()`` asks gRPC for a new one (an
-    OpenChannelResponse), ``close_channel(key)`` closes one through gRPC."""
+    """One channel to one server: its ports while open (OpenChannel's answer, taken through gRPC
+    by :func:`bind`'s methods), one call at a time through them."""
 
     def __init__(self, settings: SameHost):
         self._poll_s = settings.poll_us * 1e-6
@@ -221,10 +223,6 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
-
 def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel | None, dict]:
     """For a client asked for ``channel`` ("grpc", "shm" or a :class:`SameHost`): the same-host
     channel (None for gRPC) and the method callables of the calls it carries, to use in place of
@@ -244,11 +242,11 @@ def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel |
             deadline = _deadline(timeout)
             for resend in (False, True):
                 ports = same_host.ports(lambda: grpc_methods["OpenChannel"](
-                    open_request, timeout=_remaining(deadline), metadata=metadata))
+                    open_request, timeout=time_left(deadline), metadata=metadata))
                 if not same_host.fits(ports, request):
-                    return grpc_methods[name](request, timeout=_remaining(deadline), metadata=metadata)
+                    return grpc_methods[name](request, timeout=time_left(deadline), metadata=metadata)
                 try:
-                    return same_host.call(ports, name, request, _remaining(deadline))
+                    return same_host.call(ports, name, request, time_left(deadline))
                 except ChannelError as exc:
                     if resend or not exc.details().startswith(fmt.UNKNOWN_KEY):
                         raise
@@ -263,11 +261,11 @@ def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel |
                 opening = opening or asyncio.Lock()
                 async with opening:
                     ports = same_host._ports or same_host.install(await grpc_methods["OpenChannel"](
-                        open_request, timeout=_remaining(deadline), metadata=metadata))
+                        open_request, timeout=time_left(deadline), metadata=metadata))
                 if not same_host.fits(ports, request):
-                    return await grpc_methods[name](request, timeout=_remaining(deadline), metadata=metadata)
+                    return await grpc_methods[name](request, timeout=time_left(deadline), metadata=metadata)
                 try:
-                    return await asyncio.to_thread(same_host.call, ports, name, request, _remaining(deadline))
+                    return await asyncio.to_thread(same_host.call, ports, name, request, time_left(deadline))
                 except ChannelError as exc:
                     if resend or not exc.details().startswith(fmt.UNKNOWN_KEY):
                         raise

@@ -67,6 +67,11 @@ def synchronize(devices: set[int], stream) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def time_left(deadline: float | None) -> float | None:
+    """The seconds left before ``deadline`` (a ``time.monotonic()`` time), at least 0; None for none."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
 def retry_delay(exc: grpc.RpcError, attempt: int, retries: int, deadline: float | None) -> float | None:
     """Seconds to wait before retrying failed attempt ``attempt`` (from 0) of at most ``retries``
     retries, or None to give up: only UNAVAILABLE is retried, never past ``deadline``."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from logitserve.v1.channel_format import MAX_REQUEST_ID  # the longest x-request-id accepted (below)
 
 from .errors import (DeadlineExpired, Draining, NotFound, QueueFull, TooLarge, Unauthenticated, Unsupported,
                      exception_chain)
@@ -46,9 +47,8 @@ log = get_logger("rpc")
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REQUEST_ID_KEY = "x-request-id"
-# Longest x-request-id accepted (it is echoed in the trailers and logged); a longer one is
-# INVALID_ARGUMENT before any work, answered under a fresh id.
-MAX_REQUEST_ID = 128
+# A request id (echoed in the trailers, logged) over MAX_REQUEST_ID is INVALID_ARGUMENT before any
+# work, answered under a fresh id.
 # Where admit() notes an over-long id in the call's metadata dict: gRPC delivers lowercase keys
 # only, so no client can send it.
 _LONG_ID = "Long-Request-Id"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from logitserve.server import cli
 from logitserve.server.config import ServerConfig
 from logitserve.server.devices import address
 from logitserve.server.logs import get_logger
+from logitserve.server.process import free_ports
 from logitserve.server.regions import RegionRegistry
 from logitserve.server.workers import supervise
 from logitserve.v1 import logitserve_pb2 as pb
@@ -96,24 +96,6 @@ def test_an_address_names_an_ipv6_host_in_brackets():
 # --------------------------------------------------------------------------- the supervisor
 
 
-def _free_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports free on 127.0.0.1 now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + count > 65535:
-            continue
-        try:
-            for p in range(first, first + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError("no consecutive free ports")
-
-
 class Supervisor:
     """A supervisor in a child process, ``python ARGV``; its log lines and its processes' (they
     share its stderr) arrive on a queue."""
@@ -164,7 +146,7 @@ def _info(target: str) -> pb.GetServerInfoResponse:
 
 
 def test_a_process_per_device_each_lists_all_and_sigterm_stops_all():
-    metrics = _free_ports(2)
+    metrics = free_ports(2)
     supervisor = cpu_supervisor(["cpu", "cpu"], metrics_port=metrics)
     try:
         started = supervisor.wait_for("devices started")

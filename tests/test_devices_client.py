@@ -16,16 +16,14 @@ import pytest
 
 from logitserve.client import AsyncClient, Client, device_routes, regions
 from logitserve.client.device_routes import dialled, target_host
-from logitserve.server.process import ServerProcess
-
-from test_devices import _free_ports
+from logitserve.server.process import ServerProcess, free_ports
 
 
 @pytest.fixture(scope="module")
 def servers():
-    first, second = _free_ports(1), _free_ports(1)
+    first, second = free_ports(1), free_ports(1)
     while second == first:
-        second = _free_ports(1)
+        second = free_ports(1)
     endpoints = f"cuda:0=127.0.0.1:{first},cuda:1=127.0.0.1:{second}"
     flags = ("--device-endpoints", endpoints, "--warmup-dtypes", "none", "--busy-poll-us", "0")
     with ServerProcess(*flags, port=first) as zero, ServerProcess(*flags, port=second) as one:

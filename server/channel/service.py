@@ -30,7 +30,6 @@ from .table import ChannelTable
 log = get_logger("channel")
 
 LOGITSERVE = pb.DESCRIPTOR.services_by_name["LogitServe"].full_name
-MAX_REQUEST_ID = fmt.MAX_REQUEST_ID  # as guard.MAX_REQUEST_ID: a longer one the guard refuses
 
 
 def _status_code(code: grpc.StatusCode) -> int:
@@ -103,14 +102,13 @@ class ChannelService:
         return self._table.close(key, authorization)
 
     def _request_limit(self) -> int:
-        return fmt.REQUEST_HEADER.size + MAX_REQUEST_ID + self._max_message_bytes
+        return fmt.REQUEST_HEADER.size + fmt.MAX_REQUEST_ID + self._max_message_bytes
 
     def _answer_limit(self) -> int:
-        return fmt.ANSWER_HEADER.size + MAX_REQUEST_ID + self._max_message_bytes + 4096  # + the status message
+        return fmt.ANSWER_HEADER.size + fmt.MAX_REQUEST_ID + self._max_message_bytes + 4096  # + the status message
 
     def _refuse(self, active, code: grpc.StatusCode, details: str, event=None) -> None:
-        head = fmt.ANSWER_HEADER.pack(_status_code(code), 0, len(details.encode()), 0)
-        self._transport.answer(active, (head, details.encode()), event)
+        self._transport.answer(active, fmt.answer(_status_code(code), b"", details.encode()), event)
 
     def _on_request(self, active, address: int, size: int) -> None:
         """A request arrived (on the loop): read its header, start its call."""
@@ -130,9 +128,9 @@ class ChannelService:
             return self._refuse(active, grpc.StatusCode.INVALID_ARGUMENT,
                                 f"channel request: method {method} is none of the channel's "
                                 f"({', '.join(f'{n} {m}' for n, m in fmt.METHODS.items())})", channel.event)
-        if id_bytes > MAX_REQUEST_ID or message_at > size:
+        if id_bytes > fmt.MAX_REQUEST_ID or message_at > size:
             return self._refuse(active, grpc.StatusCode.INVALID_ARGUMENT,
-                                f"channel request: request_id_bytes {id_bytes} must be at most {MAX_REQUEST_ID} and "
+                                f"channel request: request_id_bytes {id_bytes} must be at most {fmt.MAX_REQUEST_ID} and "
                                 f"within the request's {size} bytes", channel.event)
         if size - message_at > self._max_message_bytes:
             return self._refuse(active, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -157,11 +155,10 @@ class ChannelService:
             context.status, context.details, response = grpc.StatusCode.CANCELLED, "server stopping", None
         try:
             code = context.status or grpc.StatusCode.OK
-            details = context.details.encode("utf-8", "replace")
-            head = fmt.ANSWER_HEADER.pack(_status_code(code), len(context.request_id), len(details), 0)
             body = response if code == grpc.StatusCode.OK and response is not None else b""
             if self._transport is not None:
-                self._transport.answer(active, (head, context.request_id.encode("ascii", "replace"), details, body),
+                self._transport.answer(active, fmt.answer(_status_code(code), context.request_id.encode("ascii", "replace"),
+                                                          context.details.encode("utf-8", "replace"), body),
                                        channel.event)
         finally:
             context.done()

@@ -45,8 +45,9 @@ METHODS = {
 }
 METHOD_NUMBERS = {name: number for number, name in METHODS.items()}
 
-# The longest request id a request may carry (the server's x-request-id limit): a request's
-# message may be max_request_bytes - REQUEST_HEADER.size - MAX_REQUEST_ID bytes long, whatever its id.
+# The longest request id a call may carry, over gRPC (its x-request-id) or a channel (a longer one
+# is INVALID_ARGUMENT): a channel request's message may be max_request_bytes -
+# REQUEST_HEADER.size - MAX_REQUEST_ID bytes long, whatever its id.
 MAX_REQUEST_ID = 128
 
 # How an UNAUTHENTICATED answer to a key the server does not know (any more) begins: a caller
@@ -59,9 +60,9 @@ def request(key: bytes, method: int, request_id: bytes, timeout_us: int, message
     return REQUEST_HEADER.pack(key, method, len(request_id), timeout_us) + request_id + message
 
 
-def answer(code: int, request_id: bytes, details: bytes, message: bytes = b"") -> bytes:
-    """An answer's bytes (the server's half)."""
-    return ANSWER_HEADER.pack(code, len(request_id), len(details), 0) + request_id + details + message
+def answer(code: int, request_id: bytes, details: bytes, message: bytes = b"") -> tuple[bytes, ...]:
+    """An answer's parts, in order (the server's half): joined, they are its bytes."""
+    return ANSWER_HEADER.pack(code, len(request_id), len(details), 0), request_id, details, message
 
 
 def read_answer(data) -> tuple[int, str, str, memoryview]:
