@@ -27,7 +27,7 @@ from .auth import TokenStore
 from .batcher import Batcher
 from .busy_poll import BusyPollEventLoop
 from .channel import ChannelService
-from .config import ServerConfig
+from .config import ServerConfig, address
 from .device import TRITON_WARMUP_WIDTHS, DeviceHandle
 from .guard import Guard, GuardedRegistrar, status_for
 from .held import HeldAnswers
@@ -148,17 +148,16 @@ class Service:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)
         reflection.add_to_server((SERVICE_NAME, regions_servicer.SERVICE_NAME, kserve.SERVICE_NAME,
                                   HEALTH_SERVICE_NAME), guarded)
-        host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
-        address = f"{host}:{config.port}"
+        listen_at = address(config.host, config.port)
         try:
             creds = _server_credentials(config)
         except (OSError, ValueError) as exc:
             raise _named(exc, f"--tls-cert / --tls-key / --tls-client-ca: {exc}") from exc
         try:
-            self.port = (self.server.add_secure_port(address, creds) if creds is not None
-                         else self.server.add_insecure_port(address))
+            self.port = (self.server.add_secure_port(listen_at, creds) if creds is not None
+                         else self.server.add_insecure_port(listen_at))
         except RuntimeError as exc:
-            raise StartupError(f"--port {config.port}: cannot listen on {address} (in use, or --host "
+            raise StartupError(f"--port {config.port}: cannot listen on {listen_at} (in use, or --host "
                                f"{config.host} is not an address of this host): {exc}") from exc
         self.tls = creds is not None
 

@@ -12,6 +12,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 SHM_KEY_SCOPES = ("auto", "token", "any")
 
 
+def address(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (``[::]:50052``): what gRPC binds and clients dial."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def default_device() -> str:
     """``cuda:0`` where torch sees a GPU, else ``cpu``."""
     import torch

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from .config import ServerConfig
+from .config import ServerConfig, address
 from .logs import get_logger, log_event
 from .workers import reserve_port, start_server, supervise
 
@@ -43,11 +43,6 @@ def resolve_devices(devices: tuple[str, ...]) -> list[str]:
     if missing:
         raise ValueError(f"--devices: {', '.join(missing)} not among the CUDA devices torch sees here ({seen})")
     return list(devices)
-
-
-def address(host: str, port: int) -> str:
-    """``host:port``, an IPv6 host in brackets (``[::]:50052``)."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def run_devices(config: ServerConfig, devices: list[str] | None = None) -> int:

@@ -21,8 +21,7 @@ import grpc
 import pytest
 
 from logitserve.server import cli
-from logitserve.server.config import ServerConfig
-from logitserve.server.devices import address
+from logitserve.server.config import ServerConfig, address
 from logitserve.server.logs import get_logger
 from logitserve.server.process import free_ports
 from logitserve.server.regions import RegionRegistry
