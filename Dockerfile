@@ -80,8 +80,8 @@ RUN set -eux; \
     fi; \
     rm -rf /tmp/logitserve-deps
 
-# The package itself with the server extra, non-editable (pyproject.toml maps kernels/, server/,
-# client/ and protos/logitserve/*/ onto logitserve.*). The source tree is not kept in the image.
+# The package itself with the server extra, non-editable (every package under src/logitserve/).
+# The source tree is not kept in the image.
 COPY . /tmp/logitserve-src
 RUN set -eux; \
     for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT; do [ -n "$(printenv "$v")" ] || unset "$v"; done; \

@@ -77,8 +77,13 @@ def old_client_module(base: str):
     os.makedirs(os.path.join(root, "oldclient"))
     top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                          check=True).stdout.strip()
-    names = subprocess.run(["git", "ls-tree", "--name-only", base, "client/"], capture_output=True, text=True,
-                           check=True, cwd=top).stdout.split()
+    # The client's folder moved into src/ with the src layout; an older revision has it at the root.
+    names = []
+    for folder in ("src/logitserve/client/", "client/"):
+        names = subprocess.run(["git", "ls-tree", "--name-only", base, folder], capture_output=True, text=True,
+                               check=True, cwd=top).stdout.split()
+        if names:
+            break
     for name in names:
         if name.endswith(".py"):
             text = subprocess.run(["git", "show", f"{base}:{name}"], capture_output=True, text=True, check=True,

@@ -9,9 +9,10 @@
 A variant is ``NAME=SPEC``. SPEC is ``echo [FLAGS]`` (``bench.echo_server``, the transport
 floor) or ``[CHECKOUT:]serve [FLAGS]``: the public ``logitserve serve`` CLI with its flags, run
 from this tree or from a checkout named by ``--checkout NAME=DIR`` (a directory holding
-``kernels/``, ``server/``, ``client/`` and ``protos/logitserve/v1`` of another commit, e.g.
-``git archive REV kernels server client protos | tar -x -C DIR``; its server runs with a
-folder of symlinks ahead of ``PYTHONPATH``, so that ``import logitserve.*`` is that checkout).
+``src/logitserve/`` of another commit, e.g. ``git archive REV src | tar -x -C DIR``, put ahead
+of ``PYTHONPATH`` so that ``import logitserve.*`` is that checkout; a commit from before the src
+layout holds ``kernels/``, ``server/``, ``client/`` and ``protos/logitserve/v1`` instead, and its
+server runs with a folder of symlinks onto them).
 ``--server-arg`` (shell-split, repeatable) is added to every ``serve`` variant. Two variants
 with the same spec (and checkout) are an A/A pair: they measure how far two identical servers
 differ, which is the noise any A/B difference must beat.
@@ -66,7 +67,8 @@ from .driver import drive
 from .payloads import sample_payload
 from .servers import Running, ServerSpec, echo_argv, running_all, serve_argv
 
-# The package folders of a checkout, as ``import logitserve.<name>`` finds them (pyproject's package-dir).
+# The package folders of a checkout from before the src layout, as ``import logitserve.<name>``
+# found them (its pyproject's package-dir).
 PACKAGE_DIRS = (("kernels", "kernels"), ("server", "server"), ("client", "client"), ("v1", "protos/logitserve/v1"))
 # Packages a checkout has from some commit on: linked where present (the Triton-protocol front's
 # generated code, since its server imports it).
@@ -92,9 +94,11 @@ class Variant:
 
 
 def checkout_site(directory: str) -> str:
-    """A folder from which ``import logitserve`` finds ``directory``'s packages (symlinks, as
-    scripts/device_env.sh makes for this tree), made once per checkout."""
+    """A folder from which ``import logitserve`` finds ``directory``'s packages: its ``src/``, or
+    for a commit from before the src layout, symlinks onto its package folders, made once."""
     directory = os.path.abspath(directory)
+    if os.path.isdir(os.path.join(directory, "src", "logitserve")):
+        return os.path.join(directory, "src")
     for _, path in PACKAGE_DIRS:
         if not os.path.isdir(os.path.join(directory, path)):
             raise SystemExit(f"--checkout {directory}: no {path}/ there")

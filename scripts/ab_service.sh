@@ -6,8 +6,8 @@
 #
 #   bash scripts/ab_service.sh old=DIR [NAME=DIR ...]     (or just DIR: named old)
 #
-# A checkout DIR holds kernels/, server/, client/ and protos/logitserve/v1 of another commit:
-#   git archive REV kernels server client protos | tar -x -C DIR
+# A checkout DIR holds src/logitserve/ of another commit (before the src layout: kernels/, server/,
+# client/ and protos/logitserve/v1):   git archive REV src | tar -x -C DIR
 # More variants through AB_ARGS, e.g. AB_ARGS='--variant nopoll="serve --busy-poll-us 0"'.
 # AB_ROUNDS (12) and AB_CALLS (300,1500,3000: calls per round at c=1, 8, 64) set the length;
 # AB_SERVER_ARGS the flags of every serve variant (default: cuda:0, warm-up bf16 x 128256).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates the checked-in Python code of every wire contract under protos/ (*_pb2.py, .pyi and
+# Regenerates the checked-in Python code of every wire contract under src/ (*_pb2.py, .pyi and
 # _pb2_grpc.py beside each .proto: logitserve/v1, the KServe v2 / Triton protocol in
 # logitserve/kserve, gRPC reflection v1 in logitserve/reflection_v1) with the pinned generator.
 #
@@ -12,10 +12,10 @@
 # installed, without dependencies (protoc needs none), into a cache folder of its own on first
 # use and put first on PYTHONPATH. tests/test_protos_generated.py runs this script into a
 # temporary folder and fails when the checked-in files differ.
-#   scripts/gen_protos.sh [OUT]    (OUT: default protos; uses $PYTHON, else python3)
+#   scripts/gen_protos.sh [OUT]    (OUT: default src; uses $PYTHON, else python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-protos}"
+out="${1:-src}"
 python="${PYTHON:-python3}"
 version=1.66.2
 tag=$("$python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
@@ -28,7 +28,7 @@ if [ ! -d "$tools/grpc_tools" ]; then
   "$python" -m pip install --quiet --disable-pip-version-check --no-deps --target "$scratch" "grpcio-tools==$version"
   mv -T "$scratch" "$tools" 2>/dev/null || [ -d "$tools/grpc_tools" ]  # another run may have won the race
 fi
-mapfile -t protos < <(find protos -name '*.proto' | sort)
+mapfile -t protos < <(find src -name '*.proto' | sort)
 mkdir -p "$out"
-PYTHONPATH="$tools" "$python" -m grpc_tools.protoc -Iprotos \
+PYTHONPATH="$tools" "$python" -m grpc_tools.protoc -Isrc \
   --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" "${protos[@]}"

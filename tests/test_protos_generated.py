@@ -18,7 +18,7 @@ import pytest
 from packaging.requirements import Requirement
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PROTOS = sorted(p.relative_to(ROOT / "protos").as_posix() for p in (ROOT / "protos").glob("**/*.proto"))
+PROTOS = sorted(p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src").glob("**/*.proto"))
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
@@ -53,17 +53,17 @@ def test_protos_were_found():
 
 @pytest.mark.parametrize("proto", PROTOS)
 def test_checked_in_code_matches_a_fresh_generation(fresh, proto):
-    missing = [name for name in generated_names(proto) if not (ROOT / "protos" / name).exists()]
+    missing = [name for name in generated_names(proto) if not (ROOT / "src" / name).exists()]
     assert not missing, f"not checked in: {missing}; run scripts/gen_protos.sh"
     stale = [name for name in generated_names(proto)
-             if (fresh / name).read_bytes() != (ROOT / "protos" / name).read_bytes()]
+             if (fresh / name).read_bytes() != (ROOT / "src" / name).read_bytes()]
     assert not stale, f"regenerate with scripts/gen_protos.sh: {stale} differ from {proto}"
 
 
 def test_no_generated_file_without_its_proto():
     expected = {name for proto in PROTOS for name in generated_names(proto)}
-    found = {p.relative_to(ROOT / "protos").as_posix() for suffix in SUFFIXES
-             for p in (ROOT / "protos").glob(f"**/*{suffix}")}
+    found = {p.relative_to(ROOT / "src").as_posix() for suffix in SUFFIXES
+             for p in (ROOT / "src").glob(f"**/*{suffix}")}
     assert found == expected, f"generated files whose proto is gone: {sorted(found - expected)}"
 
 
@@ -72,7 +72,7 @@ def test_pyproject_floors_match_the_generated_code(proto):
     # The messages check the protobuf runtime (ValidateProtobufRuntimeVersion: never older than
     # the generator's), the stubs the grpcio runtime (GRPC_GENERATED_VERSION): pyproject.toml's
     # floors must be exactly those, or pip installs a runtime the code refuses at import.
-    messages, _, stubs = ((ROOT / "protos" / name).read_text() for name in generated_names(proto))
+    messages, _, stubs = ((ROOT / "src" / name).read_text() for name in generated_names(proto))
     gencode = re.search(r"^# Protobuf Python Version: (\S+)$", messages, re.M).group(1)
     validate = re.search(r"ValidateProtobufRuntimeVersion\(\s*\S+,\s*(\d+),\s*(\d+),\s*(\d+),", messages)
     assert ".".join(validate.groups()) == gencode
@@ -101,7 +101,7 @@ def test_kserve_contract_names():
 def test_every_rpc_and_field_is_commented(proto):
     # STYLE.md (TGI): a comment on every rpc and field. The descriptor keeps comments only in
     # the source, so read the proto: each `rpc` and field line follows a `//` comment line.
-    lines = (ROOT / "protos" / proto).read_text().splitlines()
+    lines = (ROOT / "src" / proto).read_text().splitlines()
     uncommented = []
     for i, line in enumerate(lines):
         text = line.strip()
