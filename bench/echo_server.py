@@ -18,7 +18,7 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from logitserve.server.busy_poll import event_loop_factory
+from logitserve.server.engine.busy_poll import event_loop_factory
 
 REPLY = b"\x00" * 8
 

@@ -5,7 +5,7 @@ return (the GPU idle before each), and the graph's node count.
 
 The launches the server replays for Sample: plain; with penalties over ragged lists and a
 grammar bitmask; the same lists as a list table (a Sample by sequence ids); each captured
-alone, as server/graphs.py captures them (without the staging copies). Needs a CUDA device.
+alone, as server/engine/graphs.py captures them (without the staging copies). Needs a CUDA device.
 """
 
 from __future__ import annotations

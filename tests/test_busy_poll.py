@@ -7,10 +7,10 @@ import socket
 import threading
 import time
 
-from logitserve.server.busy_poll import (LONE_CLIENT_CROWD_S, LONE_CLIENT_IDLE_S, BusyPollSelector, event_loop_factory,
+from logitserve.server.engine.busy_poll import (LONE_CLIENT_CROWD_S, LONE_CLIENT_IDLE_S, BusyPollSelector, event_loop_factory,
                                         serves_a_lone_client)
 from logitserve.server.config import ServerConfig
-from logitserve.server.occupancy import Occupancy
+from logitserve.server.engine.occupancy import Occupancy
 
 
 def test_occupancy_counts_calls_and_times_idleness_and_crowding():
@@ -94,7 +94,7 @@ def test_polls_on_the_cpu_and_sleeps_while_held_off():
 
 def test_server_polls_only_for_a_lone_client_and_not_while_its_launch_thread_works():
     from logitserve.server.app import create_server
-    from logitserve.server.busy_poll import BusyPollEventLoop
+    from logitserve.server.engine.busy_poll import BusyPollEventLoop
 
     async def main():
         service, _ = create_server(ServerConfig(device="cpu", port=0, warmup_dtypes=()))

@@ -289,7 +289,7 @@ def test_channels_off():
 
 def test_ports_that_cannot_be_made_leave_grpc_serving(monkeypatch):
     """iceoryx2 failing at start (no writable /dev/shm, say) takes channels off, not the server."""
-    from logitserve.server.channel import transport
+    from logitserve.server.api.channel import transport
 
     def refuse(*_args, **_kwargs):
         raise OSError("no space left on /dev/shm")
@@ -309,7 +309,7 @@ def test_ports_that_cannot_be_made_leave_grpc_serving(monkeypatch):
 def test_without_the_wake_socket_a_thread_wakes_the_server(monkeypatch):
     """Where the wake event's socket is not found, a thread waits on the event instead: the
     channel answers as before."""
-    from logitserve.server.channel import transport
+    from logitserve.server.api.channel import transport
 
     found = transport._listener_and_fd
     monkeypatch.setattr(transport, "_listener_and_fd", lambda service: (found(service)[0], None))

@@ -200,7 +200,7 @@ def test_device_fault_during_a_batch_fails_its_calls_with_internal_then_service_
 
 
 def test_the_batcher_sees_how_many_calls_the_server_holds(gated):
-    """The occupancy the guard counts, which decides how a batch launches (server/batcher.py)."""
+    """The occupancy the guard counts, which decides how a batch launches (server/engine/batcher.py)."""
     server, gate, stub = gated
     occupancy = server.service.occupancy
 

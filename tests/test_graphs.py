@@ -1,4 +1,4 @@
-"""CUDA-graph launches (server/graphs.py): a batch replayed from its bucket's graph gives exactly what
+"""CUDA-graph launches (server/engine/graphs.py): a batch replayed from its bucket's graph gives exactly what
 the eager launch and the kernels called directly give, whatever the padding rows hold; graphs are
 reused per (key, bucket), large batches launch eagerly, and the byte budget drops old graphs.
 Runs where CUDA is present (``-k cuda``).
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from logitserve import kernels
-from logitserve.server.device import DeviceHandle, Wait
-from logitserve.server.graphs import LaunchGraphs
+from logitserve.server.engine.device import DeviceHandle, Wait
+from logitserve.server.engine.graphs import LaunchGraphs
 from logitserve.server.ops import RouteExpertsCall, SampleCall
-from logitserve.server.staging import Staging
+from logitserve.server.engine.staging import Staging
 from logitserve.server.tensors import HostTensor
 
 pytestmark = pytest.mark.cuda

@@ -8,7 +8,7 @@ import secrets
 import grpc
 import pytest
 
-from logitserve.server.guard import Guard, _GuardedGenericHandler
+from logitserve.server.api.guard import Guard, _GuardedGenericHandler
 from logitserve.server.process import ServerProcess
 
 

@@ -5,7 +5,7 @@
    batch (its calls and their futures), and the device's, holding the calls and the launch's
    future, which holds the error. When a batch of several calls failed (out of device memory,
    say) and its calls were retried alone, that error reached no handler and no one cut it loose
-   (server/guard.py's ``let_go``): every call of the batch, with its request's bytes, stayed
+   (server/api/guard.py's ``let_go``): every call of the batch, with its request's bytes, stayed
    until the next full garbage collection, even the calls then answered OK.
 2. A stream whose client leaves while an answer waits for it to read (a stuck client) ends by
    GeneratorExit, which the guard did not catch: its log line and metrics said OK, and the
@@ -116,7 +116,7 @@ def test_a_failed_launch_frees_its_calls_without_garbage_collection(server, fits
 
 
 class Lines(logging.Handler):
-    """Keeps the fields of every ``rpc`` line of one method (server/guard.py), whatever the
+    """Keeps the fields of every ``rpc`` line of one method (server/api/guard.py), whatever the
     logging configuration (propagation to the root's handlers included)."""
 
     def __init__(self, rpc: str):

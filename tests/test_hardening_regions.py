@@ -23,7 +23,7 @@ import torch
 from logitserve.client import Client
 from logitserve.server.process import ServerProcess
 from logitserve.server.regions import RegionRegistry
-from logitserve.server.staging import Staging
+from logitserve.server.engine.staging import Staging
 from logitserve.server.tensors import HostTensor
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc

@@ -1,4 +1,4 @@
-"""Server reflection: grpc.reflection.v1 (server/reflection.py) and grpc.reflection.v1alpha
+"""Server reflection: grpc.reflection.v1 (server/api/reflection.py) and grpc.reflection.v1alpha
 answer alike on a real server, through the guard."""
 
 from __future__ import annotations

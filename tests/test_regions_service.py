@@ -19,8 +19,8 @@ import torch
 from logitserve.client import AsyncClient, Client, LogitServeError
 from logitserve.client import regions as client_regions
 from logitserve.server import regions_servicer
-from logitserve.server.auth import TokenStore
-from logitserve.server.guard import Guard, GuardedRegistrar
+from logitserve.server.api.auth import TokenStore
+from logitserve.server.api.guard import Guard, GuardedRegistrar
 from logitserve.server.regions import RegionRegistry, owner_of
 from logitserve.v1 import logitserve_pb2 as pb
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from logitserve.server.batcher import Batcher
-from logitserve.server.device import Wait
+from logitserve.server.engine.batcher import Batcher
+from logitserve.server.engine.device import Wait
 from logitserve.server.errors import DeadlineExpired, Draining, QueueFull
 
 

@@ -44,7 +44,7 @@ def test_defaults():
     c = parse([])
     assert c == ServerConfig(device="cpu")  # no GPU here: the default device is the CPU
     assert c.port == 50051 and c.backend == "auto" and c.metrics_port == 0
-    assert c.busy_poll_us == 2000  # polls while a lone client calls (server/busy_poll.py)
+    assert c.busy_poll_us == 2000  # polls while a lone client calls (server/engine/busy_poll.py)
 
 
 def test_flags():

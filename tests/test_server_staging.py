@@ -1,4 +1,4 @@
-"""Staging (server/staging.py) and graph buckets (server/graphs.py) on the CPU: parts land 16-byte
+"""Staging (server/engine/staging.py) and graph buckets (server/engine/graphs.py) on the CPU: parts land 16-byte
 aligned in one buffer, padded parts leave their padding rows alone, and a buffer written for one
 batch takes another of the same layout."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from logitserve.server.graphs import bucket_rows
-from logitserve.server.staging import ALIGN, Staging
+from logitserve.server.engine.graphs import bucket_rows
+from logitserve.server.engine.staging import ALIGN, Staging
 from logitserve.server.tensors import HostTensor
 
 

@@ -8,7 +8,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logitserve.server.servicer import request_parsers
+from logitserve.server.api.servicer import request_parsers
 from logitserve.server.wire import InPlaceReader
 from logitserve.v1 import logitserve_pb2 as pb
 

@@ -14,7 +14,7 @@ import torch
 
 from logitserve import kernels
 from logitserve.server import ops
-from logitserve.server.device import DeviceHandle
+from logitserve.server.engine.device import DeviceHandle
 from logitserve.server.regions import CUDA, CallRegions
 from logitserve.server.tensors import DeviceTensor, from_torch
 from logitserve.v1 import logitserve_pb2 as pb
@@ -163,7 +163,7 @@ def test_tensor_ops_write_out_into_device_memory(handle, op):
 def test_graph_keys_follow_the_client_addresses_and_capture_on_second_use():
     from types import SimpleNamespace
 
-    from logitserve.server.graphs import LaunchGraphs
+    from logitserve.server.engine.graphs import LaunchGraphs
     from logitserve.server.ops.resident import graph_key
 
     mem = DeviceMemory()

@@ -1,5 +1,5 @@
 """Wiring: the grpc.aio server with LogitServe, SharedMemory, the KServe v2 inference service
-(server/kserve/), health, reflection (each handler guarded), same-host channels, TLS, metrics.
+(server/api/kserve/), health, reflection (each handler guarded), same-host channels, TLS, metrics.
 
 ``create_server(config) -> (service, port)`` builds and binds everything (port 0 picks a free
 port, as tests do); then ``await service.start()`` accepts calls with health NOT_SERVING,
@@ -22,22 +22,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
-from . import kserve, ops, reflection, regions_servicer
-from .auth import TokenStore
-from .batcher import Batcher
-from .busy_poll import BusyPollEventLoop
-from .channel import ChannelService
+from .api import kserve
+from . import ops
+from .api import reflection
+from .regions import servicer as regions_servicer
+from .api.auth import TokenStore
+from .engine.batcher import Batcher
+from .engine.busy_poll import BusyPollEventLoop
+from .api.channel import ChannelService
 from .config import ServerConfig, address
-from .device import TRITON_WARMUP_WIDTHS, DeviceHandle
-from .guard import Guard, GuardedRegistrar, status_for
-from .held import HeldAnswers
+from .engine.device import TRITON_WARMUP_WIDTHS, DeviceHandle
+from .api.guard import Guard, GuardedRegistrar, status_for
+from .api.held import HeldAnswers
 from .logs import get_logger, log_event
 from .metrics import Metrics
-from .occupancy import Occupancy
-from .precompile import precompile
+from .engine.occupancy import Occupancy
+from .engine.precompile import precompile
 from .regions import RegionRegistry
-from .sequences import SequenceTable
-from .servicer import LogitServeServicer, request_parsers
+from .sequences.table import SequenceTable
+from .api.servicer import LogitServeServicer, request_parsers
 from .tensors import TORCH_DTYPES
 from .version import __version__
 
@@ -99,7 +102,7 @@ class Service:
         self.regions = RegionRegistry(config.max_regions, config.max_region_bytes,
                                       devices=(device.index,) if device.type == "cuda" else (),
                                       pin_system=device.type == "cuda", key_scope=config.resolved_shm_key_scope)
-        # Sampling state of every caller's open sequences (server/sequences.py), on the device.
+        # Sampling state of every caller's open sequences (server/sequences/table.py), on the device.
         self.sequences = SequenceTable(config.max_sequences, config.sequence_idle_s, device)
         self.metrics = Metrics(device=str(device))
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
@@ -140,7 +143,7 @@ class Service:
         ])
         guarded = GuardedRegistrar(self.server, guard, {**request_parsers(), **kserve.request_parsers()})
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)
-        # Same-host channels reach LogitServe's guarded handlers, as gRPC does (server/channel/).
+        # Same-host channels reach LogitServe's guarded handlers, as gRPC does (server/api/channel/).
         self.channels = ChannelService(config.channels, config.max_channels, config.channel_idle_s,
                                        config.max_message_bytes, guarded.handlers, self.occupancy)
         regions_servicer.add_to_server(self.regions, guarded)
@@ -185,7 +188,7 @@ class Service:
 
     async def warm_up(self) -> None:
         """Compile the kernels for the configured dtypes (on the Triton backend in parallel
-        processes first: server/precompile.py), then report SERVING."""
+        processes first: server/engine/precompile.py), then report SERVING."""
         config = self.config
         dtypes = tuple(_DTYPES_BY_NAME[name] for name in config.warmup_dtypes)
         if self.handle.backend == "triton" and dtypes:

@@ -16,7 +16,7 @@ import re
 import signal
 import sys
 
-from .busy_poll import event_loop_factory
+from .engine.busy_poll import event_loop_factory
 from .config import FLOAT_DTYPE_NAMES, LOG_LEVELS, ServerConfig, default_device
 from .logs import WORKER_ENV, configure, get_logger, log_event
 from .version import __version__

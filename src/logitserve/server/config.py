@@ -48,7 +48,7 @@ class ServerConfig:
     # "auto" is triton on CUDA and the torch reference on the CPU.
     backend: str = "auto"
     # Replay Sample and RouteExperts launches from CUDA graphs, one per op key and power-of-two
-    # batch size (server/graphs.py); False launches every batch eagerly. CUDA with triton only.
+    # batch size (server/engine/graphs.py); False launches every batch eagerly. CUDA with triton only.
     cuda_graphs: bool = True
     # Dynamic batching: most rows in one launch, and the longest a request waits for others
     # while the device is idle. 0 launches at once when the device is free, and calls that
@@ -68,10 +68,10 @@ class ServerConfig:
     warmup_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
     # Row widths (vocabularies) warm-up compiles for: kernels specialise on the width, so a
     # width served but not warmed compiles during its first calls (seconds each). None: the
-    # backend's own list (server/device.py: Llama 2, Llama 3 and Qwen 2 vocabularies on triton).
+    # backend's own list (server/engine/device.py: Llama 2, Llama 3 and Qwen 2 vocabularies on triton).
     warmup_widths: tuple[int, ...] | None = None
     # Processes that compile warm-up's kernels side by side before the server's own warm-up
-    # (server/precompile.py; Triton backend only). None: one per (dtype, width), a core left
+    # (server/engine/precompile.py; Triton backend only). None: one per (dtype, width), a core left
     # over; 0 or 1: the server compiles alone.
     compile_processes: int | None = None
     # Triton's on-disk cache of compiled kernels (TRITON_CACHE_DIR; None: Triton's default,
@@ -94,7 +94,7 @@ class ServerConfig:
     metrics_port: int = 0
     # Address /metrics listens on: loopback unless asked (it needs no token).
     metrics_host: str = "127.0.0.1"
-    # How long the event loop polls for the next call before it sleeps, in us (server/busy_poll.py);
+    # How long the event loop polls for the next call before it sleeps, in us (server/engine/busy_poll.py);
     # 0: it sleeps at once. Only while the server serves a lone client (no overlapping calls for
     # 50 ms), so a loaded server sleeps as before.
     busy_poll_us: int = 2000
@@ -108,7 +108,7 @@ class ServerConfig:
     # (every client trusted alike); "auto": token when --auth-token-file is set, else any.
     shm_key_scope: str = "auto"
     # Bytes of answers held for calls not yet finished (computing, or sent to a client that does
-    # not read them), all connections together and per connection (server/held.py); past
+    # not read them), all connections together and per connection (server/api/held.py); past
     # either, RESOURCE_EXHAUSTED before the work.
     max_held_answer_bytes: int = 2 << 30
     max_held_answer_bytes_per_connection: int = 512 << 20
@@ -117,12 +117,12 @@ class ServerConfig:
     # closed at once).
     max_streams_per_connection: int = 100
     max_connections: int = 512
-    # Sequences (OpenSequences; server/sequences.py): most open at once, all callers together
+    # Sequences (OpenSequences; server/sequences/table.py): most open at once, all callers together
     # (0 turns them off), and how long one no call names stays open. Each holds its lists on the
     # device, 8 bytes a token id (prompt, output, bias, banned, stop).
     max_sequences: int = 4096
     sequence_idle_s: float = 600.0
-    # Same-host channels (OpenChannel; server/channel/): calls through shared memory (iceoryx2)
+    # Same-host channels (OpenChannel; server/api/channel/): calls through shared memory (iceoryx2)
     # instead of gRPC. Most open at once, all callers together, and how long one without a call
     # stays open. Off, or without iceoryx2 installed, OpenChannel is FAILED_PRECONDITION.
     channels: bool = True

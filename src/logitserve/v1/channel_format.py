@@ -13,7 +13,7 @@ requests and answers are slices of bytes. Each is a fixed header, then variable 
   the method's response message.
 
 Integers are little-endian. The module is the format's one definition in Python, imported by the
-server (server/channel/) and the client (client/channel.py); a C++ or Rust frontend implements
+server (server/api/channel/) and the client (client/channel.py); a C++ or Rust frontend implements
 the same layout.
 """
 

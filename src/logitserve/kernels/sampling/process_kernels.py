@@ -53,7 +53,7 @@ FLAG_WORDS_PER_GRAMMAR_WORD = tl.constexpr(4)
 # address: (address, length) of the prompt, the output, the bias ids, then the bias values'
 # address (float32), (address, length) of the banned and the stop tokens, min_tokens, and the
 # output's capacity (the ids its buffer has room for: ``_append``). Addresses are the list
-# owner's to keep valid (a server's sequences: server/sequences_lists.py).
+# owner's to keep valid (a server's sequences: server/sequences/lists.py).
 COL_PROMPT = tl.constexpr(0)
 COL_OUTPUT = tl.constexpr(2)
 COL_BIAS = tl.constexpr(4)

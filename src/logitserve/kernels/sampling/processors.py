@@ -55,7 +55,7 @@ class ListTable:
     ``[B, TABLE_COLUMNS]`` on the logits' device, laid out as process_kernels.py's list table;
     ``lists``, the names of :data:`TABLE_LISTS` whose columns are set (the others are not
     read). The addresses must stay valid until the launches that read them finish. For a server
-    that keeps each sequence's lists on the device (server/sequences_lists.py): no list is
+    that keeps each sequence's lists on the device (server/sequences/lists.py): no list is
     gathered per call, and a graph captures the launch whatever the lists' lengths. Compiled
     Triton kernels only (the ``triton`` and ``interpret`` backends)."""
 

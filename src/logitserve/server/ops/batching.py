@@ -1,5 +1,5 @@
 """What every op's batched launch shares: its outputs split back into one piece per call. (Its
-inputs reach the device through server/staging.py, or server/ops/resident.py where some are read
+inputs reach the device through server/engine/staging.py, or server/ops/resident.py where some are read
 in place.)"""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ An input is read in place (:func:`reads_in_place`) when it is a :class:`~..tenso
 (the client's CUDA memory, on the server's device). An input in a page-locked system region on a
 CUDA server (server/regions/pinning.py) is copied in (:func:`copies_in`): one kernel copy from
 the region to the device, no staging. Every other input is staged as on the byte path
-(server/staging.py): on CUDA, one host-to-device copy of the batch's host pieces. A piece in a
+(server/engine/staging.py): on CUDA, one host-to-device copy of the batch's host pieces. A piece in a
 pageable system region (every system region on the CPU) is read from its object straight into the
 staging buffer, through the object's descriptor: its client may shrink it at any moment, and a
 mapping would then fault (server/regions/access.py). On the CPU that read is the one copy such an
@@ -44,7 +44,7 @@ from logitserve.kernels.copy import copy_by_kernel
 from logitserve.v1 import logitserve_pb2 as pb
 
 from ..regions import CUDA, RegionLease, check_outputs
-from ..staging import Staging
+from ..engine.staging import Staging
 from ..tensors import PB_DTYPES, DeviceTensor, HostTensor
 
 def reads_in_place(t) -> bool:

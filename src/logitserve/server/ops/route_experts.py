@@ -17,7 +17,7 @@ from logitserve.kernels.route_experts import check_group_options
 from logitserve.kernels.topk_softmax import MAX_EXPERTS
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..staging import Staging, to_host
+from ..engine.staging import Staging, to_host
 from ..tensors import NOT_IN_PLACE, HostTensor, from_array, tensor_field
 from .batching import split, split_rows
 from .limits import Limits, answer_bytes
@@ -72,7 +72,7 @@ class Router:
 
     def launcher(self, k: int, renormalize: bool, backend: str):
         """``launch(gate_logits) -> (weights, indices)``; the bias goes to the device on the first
-        launch (before a CUDA graph's capture, server/graphs.py) and stays with the closure."""
+        launch (before a CUDA graph's capture, server/engine/graphs.py) and stays with the closure."""
         options, device_bias = self.options(), {}
 
         def launch(gate_logits):

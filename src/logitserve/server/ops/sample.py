@@ -15,7 +15,7 @@ from logitserve import kernels
 from logitserve.kernels.sampling.params import FILTER_ORDERS, FLOAT_PARAMS, INT_PARAMS, RANDOM_VAL, SAMPLING_PARAMS, SEED
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..staging import Staging, to_host
+from ..engine.staging import Staging, to_host
 from ..tensors import FLOATS, NOT_IN_PLACE, PB_DTYPES, HostTensor, from_torch, pack, tensor_field
 from .batching import split, split_rows
 from .limits import Limits, answer_bytes
@@ -68,7 +68,7 @@ class SampleCall:
     logprobs: int | None = None
     logprobs_mode: str = "raw"
     return_kept: bool = False
-    # The rows' sequences (server/sequences_sample.py SequenceRows) when the call names them:
+    # The rows' sequences (server/sequences/sample.py SequenceRows) when the call names them:
     # their state becomes the parameters and processors at the launch, a group of its own.
     sequences: object = None
 
@@ -77,7 +77,7 @@ class SampleCall:
     @classmethod
     def from_pb(cls, msg: pb.SampleRequest, limits: Limits, path: str = "",
                 in_place: Mapping[str, memoryview] = NOT_IN_PLACE, regions=None, sequences=None) -> "SampleCall":
-        """``sequences``: the caller's open sequences (server/sequences_sample.py SequenceLookup),
+        """``sequences``: the caller's open sequences (server/sequences/sample.py SequenceLookup),
         which the Sample RPC alone passes."""
         logits = tensor_field(msg, "logits", path, in_place, dtypes=FLOATS, ranks=(2,), regions=regions)
         rows, vocab = logits.shape

@@ -28,7 +28,7 @@ from logitserve import kernels
 from logitserve.kernels.sampling.params import (LOGPROBS_MODES, MAX_LOGPROBS, MIN_TOKENS, PENALTY_PARAMS,
                                                 RAGGED_LISTS)
 
-from ..staging import to_host
+from ..engine.staging import to_host
 from ..tensors import INTS, NOT_IN_PLACE, DeviceTensor, HostTensor, decode
 from .processor_checks import BulkChecks
 
@@ -36,7 +36,7 @@ from .processor_checks import BulkChecks
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 _ROWS_FIELDS = tuple(p.rows_field for p in (*PENALTY_PARAMS.values(), MIN_TOKENS))
 _LIST_FIELDS = tuple(f for ids, offsets, _ in RAGGED_LISTS.values() for f in (ids, offsets))
-# The processors' tensor fields: read in place from the received request (server/servicer.py).
+# The processors' tensor fields: read in place from the received request (server/api/servicer.py).
 TENSOR_FIELDS = (*_ROWS_FIELDS, *_LIST_FIELDS, "logit_bias_values", "grammar_bitmask")
 # Every field the processors read: plain sampling sets none of them and skips their checks.
 _FIELDS = (*(p.name for p in (*PENALTY_PARAMS.values(), MIN_TOKENS)), *TENSOR_FIELDS)

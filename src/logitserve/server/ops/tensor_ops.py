@@ -18,7 +18,7 @@ import torch
 from logitserve import kernels
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..staging import to_host
+from ..engine.staging import to_host
 from ..tensors import FLOATS, NOT_IN_PLACE, HostTensor, decode, from_torch, tensor_field
 from .batching import split
 from .limits import MAX_RANK, Limits, answer_bytes

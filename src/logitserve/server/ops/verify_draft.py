@@ -25,7 +25,7 @@ from logitserve.kernels.sampling.params import MIN_P, SEED, STEP, TEMPERATURE, T
 from logitserve.kernels.verify import DRAFT_TEMPERATURE
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..staging import to_host
+from ..engine.staging import to_host
 from ..tensors import FLOATS, INTS, NOT_IN_PLACE, DeviceTensor, HostTensor, from_array, tensor_field
 from .batching import split
 from .limits import Limits, answer_bytes

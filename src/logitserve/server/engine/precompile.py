@@ -1,6 +1,6 @@
 """Warm-up's compilation spread over processes, so that a fresh GPU host serves within a minute.
 
-Warm-up compiles one Triton kernel variant after another (server/device.py ``warm_up``): on a
+Warm-up compiles one Triton kernel variant after another (server/engine/device.py ``warm_up``): on a
 host whose Triton cache is empty that took 218 s (3 dtypes x 3 widths, H200), the compiler's own
 passes holding one core. :func:`precompile` first runs the same warm-up cases in spawned
 processes, each one (dtype, width) share of them on the same device with the same backend, so
@@ -20,7 +20,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from .logs import get_logger, log_event
+from ..logs import get_logger, log_event
 
 log = get_logger("precompile")
 
@@ -39,7 +39,7 @@ def _compile_share(device: str, backend: str, dtype_name: str, width: int) -> fl
     """In a spawned process: the warm-up cases of one dtype and width, launched once each."""
     import torch  # noqa: F401 - after spawn: this process's own CUDA context
 
-    from . import ops
+    from .. import ops
     from .device import DeviceHandle
 
     start = time.perf_counter()

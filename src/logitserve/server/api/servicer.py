@@ -20,17 +20,17 @@ from typing import Callable
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
-from . import ops
-from .errors import Draining
+from .. import ops
+from ..errors import Draining
 from .guard import note_rows
-from .identity import authorization_of
-from .ops.sample_processors import TENSOR_FIELDS as PROCESSOR_TENSOR_FIELDS
-from .regions import CallRegions
-from .regions_servicer import caller
-from .sequences_open import close_sequences, open_sequences
-from .sequences_sample import SequenceLookup
-from .sequences_update import update_sequences
-from .wire import InPlaceReader, Received
+from ..identity import authorization_of
+from ..ops.sample_processors import TENSOR_FIELDS as PROCESSOR_TENSOR_FIELDS
+from ..regions import CallRegions
+from ..regions.servicer import caller
+from ..sequences.open import close_sequences, open_sequences
+from ..sequences.sample import SequenceLookup
+from ..sequences.update import update_sequences
+from ..wire import InPlaceReader, Received
 
 SERVICE = pb.DESCRIPTOR.services_by_name["LogitServe"]
 # Each operator request's tensor fields, read in place.
@@ -139,7 +139,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         return await self._run(ops.VerifyDraftCall, request, context)
 
     async def _step(self, request: Received, context, held=None) -> pb.StepResponse:
-        """One step's answer; its bytes are held (server/held.py) until the RPC ends, or, with
+        """One step's answer; its bytes are held (server/api/held.py) until the RPC ends, or, with
         ``held`` (a list), until the caller calls the function appended to it."""
         regions = self._regions(context)
         try:

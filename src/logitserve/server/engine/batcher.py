@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from .device import Wait
-from .errors import DeadlineExpired, Draining, QueueFull, exception_chain
-from .logs import get_logger, log_event
+from ..errors import DeadlineExpired, Draining, QueueFull, exception_chain
+from ..logs import get_logger, log_event
 
 log = get_logger("batcher")
 
@@ -133,7 +133,7 @@ class Batcher:
 
     def _count_launch(self, calls: list, queue_seconds: list[float]) -> None:
         if self.metrics is not None:
-            # On the loop's next turn, as the RPC's own metrics (server/guard.py): off the
+            # On the loop's next turn, as the RPC's own metrics (server/api/guard.py): off the
             # calls' way to their answers.
             asyncio.get_running_loop().call_soon(self._observe_launch, calls, queue_seconds)
         self.launches += 1

@@ -21,9 +21,9 @@ import grpc
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
-from .errors import TooLarge
-from .identity import authorization_of
-from .regions import CUDA, SYSTEM, RegionExists, RegionInfo, RegionNotFound, RegionRegistry, owner_of
+from ..errors import TooLarge
+from ..identity import authorization_of
+from . import CUDA, SYSTEM, RegionExists, RegionInfo, RegionNotFound, RegionRegistry, owner_of
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SharedMemory"].full_name
 

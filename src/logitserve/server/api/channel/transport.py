@@ -7,7 +7,7 @@ that callers notify after sending. Per channel: an event service the server noti
 answering it. iceoryx2's request-response has no blocking receive, hence the events.
 
 The event loop watches the wake event's socket as it watches gRPC's, and a busy-polling loop
-(server/busy_poll.py) also polls the server port: a call reaches the loop with no thread between.
+(server/engine/busy_poll.py) also polls the server port: a call reaches the loop with no thread between.
 Where the socket cannot be found, a thread sleeps on the event instead (iceoryx2's blocking wait
 lets go of the GIL) and hands the loop each drain; on an H200 host that hand-over cost a
 RouteExperts 1x8 call 428-553 us p50 against 264-382 us watched by the loop (two runs, 2026-11-27).
@@ -24,7 +24,7 @@ import os
 import secrets
 import threading
 
-from ..logs import get_logger, log_event
+from ...logs import get_logger, log_event
 
 log = get_logger("channel")
 
@@ -148,7 +148,7 @@ class Iceoryx2Transport:
 
     def poll(self) -> bool:
         """Whether a request waits (then a drain is scheduled on the loop, which calls this): a
-        busy-polling loop (server/busy_poll.py) finds requests without the wake thread."""
+        busy-polling loop (server/engine/busy_poll.py) finds requests without the wake thread."""
         if self._closing or self._drain_scheduled or not self._server.has_requests:
             return False
         self._drain_scheduled = True

@@ -9,7 +9,7 @@ a ``ValueError`` naming ``sequences[i].<field>`` and the rule (INVALID_ARGUMENT)
 be long: the whole request is checked and copied on a worker thread, in bulk (numpy and torch
 reductions, never a loop over a list's elements), off the event loop. ``open_specs`` is the one
 open path (the KServe front's sequence_start opens through it too); the checks are
-UpdateSequences' as well (sequences_update.py).
+UpdateSequences' as well (sequences/update.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from logitserve.kernels.sampling.params import (FREQUENCY_PENALTY, MIN_P, MIN_TO
                                                 REPETITION_PENALTY, SEED, SEED_BITS, STEP, TEMPERATURE, TOP_K, TOP_P)
 from logitserve.v1 import logitserve_pb2 as pb
 
-from .errors import TooLarge
-from .sequences import Sequence, SequenceParams, SequenceState, SequenceTable
+from ..errors import TooLarge
+from .table import Sequence, SequenceParams, SequenceState, SequenceTable
 
 # The parameters a SequenceSpec may set, in the order they are checked.
 _PARAMS = (TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, REPETITION_PENALTY, FREQUENCY_PENALTY, PRESENCE_PENALTY,

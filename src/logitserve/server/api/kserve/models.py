@@ -23,7 +23,7 @@ from logitserve.kernels.verify import DRAFT_TEMPERATURE
 from logitserve.kserve import grpc_service_pb2 as kpb
 from logitserve.v1 import logitserve_pb2 as pb
 
-from .. import ops
+from ... import ops
 
 VERSION = "1"  # every model has one version
 PLATFORM = "logitserve"

@@ -7,7 +7,7 @@ launches go to the handle's own stream.
 
 Every batch launches through :meth:`DeviceHandle.run_batch`: the fault-injection hook
 (:attr:`DeviceHandle.before_launch`), then the op's ``run_batch``. A Sample or RouteExperts
-batch replays a CUDA graph (server/graphs.py) once its graph is captured: one byte copy and one
+batch replays a CUDA graph (server/engine/graphs.py) once its graph is captured: one byte copy and one
 replay call, which return at once. The caller of ``run_batch`` says how the replay is waited
 for (:class:`Wait`): on the launch thread, or polled on the event loop.
 
@@ -33,7 +33,7 @@ import torch
 from logitserve import kernels
 
 from .graphs import Launch, LaunchGraphs, bucket_rows
-from .logs import get_logger, log_event
+from ..logs import get_logger, log_event
 from .staging import Staging, to_host
 
 log = get_logger("device")
@@ -106,7 +106,7 @@ class DeviceHandle:
 
     @property
     def thread_busy(self) -> bool:
-        """Whether the launch thread has work (the event loop then does not busy-poll: server/busy_poll.py)."""
+        """Whether the launch thread has work (the event loop then does not busy-poll: server/engine/busy_poll.py)."""
         return self._thread_work > 0
 
     @property
@@ -150,7 +150,7 @@ class DeviceHandle:
         ``stage_for(n)`` lays out the batch's inputs for ``n`` rows (``n >= rows``: the rows past
         the batch are padding); ``launch`` maps their device tensors to output tensors (of dtypes
         numpy has) whose dim 0 is rows. Calls with equal ``key`` have the same launch (see
-        server/graphs.py). Returns the outputs' first ``rows`` rows. A graph replay is waited
+        server/engine/graphs.py). Returns the outputs' first ``rows`` rows. A graph replay is waited
         for as the batch's :meth:`run_batch` says.
         """
         async with self._lock:

@@ -24,9 +24,9 @@ import numpy as np
 from logitserve.kserve import grpc_service_pb2 as kpb
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..errors import NotFound, TooLarge
-from ..regions import RegionNotFound
-from ..wire import LEN, NotPlain, read_varint
+from ...errors import NotFound, TooLarge
+from ...regions import RegionNotFound
+from ...wire import LEN, NotPlain, read_varint
 from .models import DATATYPE_NAMES, DATATYPES, ITEMSIZES, MODELS, VERSION, Model
 from .sequence_params import SEQUENCE_PARAMS, SequenceParams, sequence_params
 

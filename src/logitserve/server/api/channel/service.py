@@ -20,9 +20,9 @@ import grpc
 from logitserve.v1 import channel_format as fmt
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..busy_poll import BusyPollEventLoop
-from ..errors import Unsupported
-from ..logs import get_logger, log_event
+from ...engine.busy_poll import BusyPollEventLoop
+from ...errors import Unsupported
+from ...logs import get_logger, log_event
 from . import transport
 from .context import ChannelCallContext
 from .table import ChannelTable
@@ -51,7 +51,7 @@ class ChannelService:
         self._transport: transport.Iceoryx2Transport | None = None
         self._tasks: set[asyncio.Task] = set()
         self._sweeper: asyncio.TimerHandle | None = None
-        self._occupancy = occupancy  # told when a channel call arrives (server/busy_poll.py's rule)
+        self._occupancy = occupancy  # told when a channel call arrives (server/engine/busy_poll.py's rule)
 
     @property
     def open_channels(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .errors import TooLarge
+from ..errors import TooLarge
 
 
 class HeldAnswers:

@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from .regions.access import SystemSlice
-from .tensors import HostTensor
+from ..regions.access import SystemSlice
+from ..tensors import HostTensor
 
 # Every part starts on a 16-byte boundary: Triton specialises on a pointer's 16-byte alignment,
 # so an unaligned part would compile (and warm up) a second kernel.
@@ -40,7 +40,7 @@ class Staging:
         stage.add([c.params for c in calls], rows=8, zero_padding=True)   # padded to 8 rows
         logits, params = stage.to(device)                       # the parts, in the order added
 
-    or, into a buffer that outlives it (a CUDA graph's inputs, server/graphs.py),
+    or, into a buffer that outlives it (a CUDA graph's inputs, server/engine/graphs.py),
     ``stage.write(memoryview_of_host_buffer)`` and ``stage.views(device_buffer)``.
     """
 

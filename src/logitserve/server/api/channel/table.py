@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from logitserve.v1.channel_format import KEY_BYTES
 
-from ..errors import TooLarge
-from ..regions import owner_of
+from ...errors import TooLarge
+from ...regions import owner_of
 
 
 @dataclass(eq=False)

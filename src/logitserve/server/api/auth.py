@@ -11,7 +11,7 @@ import hashlib
 import hmac
 import pathlib
 
-from .logs import get_logger, log_event
+from ..logs import get_logger, log_event
 
 log = get_logger("auth")
 

@@ -2,7 +2,7 @@
 :class:`~.sequences.SequenceState` (a set field replaces, an unset one keeps), then applied to
 the caller's open sequences all or none; their outputs and steps are kept.
 
-The rules are OpenSequences' (sequences_open.py), checked the same way: in bulk, on a worker
+The rules are OpenSequences' (sequences/open.py), checked the same way: in bulk, on a worker
 thread, the replacing lists copied to the server's device there. A broken rule is a
 ``ValueError`` naming ``updates[i].<field>`` (INVALID_ARGUMENT); an id the caller has no open
 sequence of is NOT_FOUND, and nothing changes.
@@ -19,8 +19,8 @@ from logitserve.kernels.sampling.params import (FREQUENCY_PENALTY, MIN_P, MIN_TO
                                                 REPETITION_PENALTY, SEED, TEMPERATURE, TOP_K, TOP_P)
 from logitserve.v1 import logitserve_pb2 as pb
 
-from .sequences import SequenceState, SequenceTable
-from .sequences_open import check_bias, check_ids, check_param, max_id
+from .table import SequenceState, SequenceTable
+from .open import check_bias, check_ids, check_param, max_id
 
 # The parameters an update may set (the step is the sequence's own: kept).
 _PARAMS = (TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, REPETITION_PENALTY, FREQUENCY_PENALTY, PRESENCE_PENALTY,

@@ -13,7 +13,7 @@ An unknown model or version answers NOT_FOUND; everything else maps as in guard.
 ``error_message`` (the message the unary call's status would carry) and the stream goes on, as
 in Triton; a draining server ends the stream UNAVAILABLE, as ``StreamSteps`` does.
 
-An inference's answer is held (server/held.py, --max-held-answer-bytes and its per-connection
+An inference's answer is held (server/api/held.py, --max-held-answer-bytes and its per-connection
 bound) from before its work until the RPC ends, or in a stream until gRPC has taken it, as
 logitserve.v1's are: past either bound it is refused (RESOURCE_EXHAUSTED, or its
 ``error_message``) before any work.
@@ -31,10 +31,10 @@ from grpc_health.v1 import health_pb2
 from logitserve.kserve import grpc_service_pb2 as kpb
 from logitserve.kserve import grpc_service_pb2_grpc as kpb_grpc
 
-from ..errors import Draining
+from ...errors import Draining
 from ..guard import let_go, note_rows, status_for
-from ..regions import CUDA, SYSTEM, CallRegions, RegionNotFound
-from ..regions_servicer import caller
+from ...regions import CUDA, SYSTEM, CallRegions, RegionNotFound
+from ...regions.servicer import caller
 from . import translate
 from .models import MODELS, PLATFORM, VERSION
 from .sequences import sequence_of
@@ -173,7 +173,7 @@ class InferenceServicer(kpb_grpc.GRPCInferenceServiceServicer):
     async def _infer(self, received: ReceivedInfer, context, held: list | None = None,
                      response: kpb.ModelInferResponse | None = None) -> kpb.ModelInferResponse:
         """One inference: translated, validated by its operator, batched, answered (into
-        ``response`` when given). Its answer's bytes are held (server/held.py) until the RPC
+        ``response`` when given). Its answer's bytes are held (server/api/held.py) until the RPC
         ends, or, with ``held`` (a list), until the caller calls the function appended to it."""
         request = received.message
         model = translate.model_of(request.model_name, request.model_version)

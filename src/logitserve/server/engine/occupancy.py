@@ -1,8 +1,8 @@
-"""How many calls the server is handling, counted by the guard (server/guard.py) as each RPC
+"""How many calls the server is handling, counted by the guard (server/api/guard.py) as each RPC
 enters and leaves (health checks aside: their Watch streams are long).
 
-The count decides how a batch waits for the device (server/batcher.py); when calls come and go
-decides whether the event loop busy-polls (server/busy_poll.py). app.py wires one
+The count decides how a batch waits for the device (server/engine/batcher.py); when calls come and go
+decides whether the event loop busy-polls (server/engine/busy_poll.py). app.py wires one
 :class:`Occupancy` into both, so neither imports the guard.
 """
 

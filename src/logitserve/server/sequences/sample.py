@@ -1,5 +1,5 @@
 """Sample with ``sequence_ids``: each row's parameters and lists read from its sequence's state
-(server/sequences.py) at the launch, the draw made by the one Sample path, then each row's token
+(server/sequences/table.py) at the launch, the draw made by the one Sample path, then each row's token
 appended and its step advanced.
 
 On the event loop (``SampleCall.from_pb``, through :meth:`SequenceLookup.rows`): one id per
@@ -9,7 +9,7 @@ unset, each sequence's tokens below the call's vocabulary. At the launch
 call waited: NOT_FOUND), each one's state read once (UpdateSequences replaces it whole: an
 update made while the call waited applies), the rows' parameters packed into the call as if
 sent per row. Then the lists: on the Triton kernels by address, read where each sequence holds
-them (sequences_lists.py: a list table, the appends in the same launch, a CUDA graph); on the
+them (sequences/lists.py: a list table, the appends in the same launch, a CUDA graph); on the
 torch backend as ragged keywords of ``launch_processed`` (ids concatenated, ``[B + 1]``
 offsets, the tokens appended row by row after it). Either way only the lists some row uses are
 passed (``sequences_lists.lists_of``), as a stateless caller would leave the others out, so the
@@ -26,9 +26,9 @@ import torch
 
 from logitserve.kernels.sampling.params import MIN_TOKENS, PENALTY_PARAMS, RAGGED_LISTS, SAMPLING_PARAMS
 
-from .regions_servicer import caller
-from .sequences import Sequence, SequenceState, SequenceTable
-from .sequences_lists import StateRows, TableLaunch, lists_of, param_rows
+from ..regions.servicer import caller
+from .table import Sequence, SequenceState, SequenceTable
+from .lists import StateRows, TableLaunch, lists_of, param_rows
 
 # The SampleRequest fields a sequence's state replaces: with sequence_ids they must be unset.
 REPLACED = (*(f for p in (*SAMPLING_PARAMS.values(), *PENALTY_PARAMS.values(), MIN_TOKENS)
@@ -99,7 +99,7 @@ class SequenceRows:
     async def run(self, call, handle, names, launch_processed: Callable) -> tuple[list[int], tuple | None]:
         """``call`` (a SampleCall of these rows) launched with the sequences' state, each row's
         token appended and its step advanced: on the Triton kernels through a list table
-        (sequences_lists.py), on the torch backend with the lists gathered (:meth:`launch`).
+        (sequences/lists.py), on the torch backend with the lists gathered (:meth:`launch`).
         Returns the tokens and the logprobs (host tensors, or None)."""
         if handle.backend == "torch":
             tokens, logprobs = await handle.run(self.launch, call, handle, names, launch_processed)

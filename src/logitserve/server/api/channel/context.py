@@ -14,7 +14,7 @@ import time
 import grpc
 
 from ..guard import REQUEST_ID_KEY
-from ..identity import AUTHORIZATION
+from ...identity import AUTHORIZATION
 
 
 class ChannelCallContext:

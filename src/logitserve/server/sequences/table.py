@@ -9,7 +9,7 @@ header), so a bearer token sees only its own sequences, and two tokens may use t
 
 Threads. The event loop opens, closes, updates and looks sequences up (the table's dict, each
 sequence's ``ended``, ``last_used`` and ``state``); the launch thread reads a sequence's state and
-appends the drawn token and advances the step (sequences_sample.py). One lock guards the dict,
+appends the drawn token and advances the step (sequences/sample.py). One lock guards the dict,
 the ``ended`` marks and the byte count; an update replaces a sequence's :class:`SequenceState`
 whole, and a launch reads that reference once, so it draws with the state before the update or
 after it, never a mix. The step and the output are written only by the launch thread, one
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import NotFound, TooLarge
-from .regions import RegionExists
+from ..errors import NotFound, TooLarge
+from ..regions import RegionExists
 
 ID_BYTES = 8  # every list is int64 on the device
 OPEN_FIRST = "open it first with OpenSequences"
@@ -50,7 +50,7 @@ class SequenceExists(RegionExists):
 
 @dataclass(frozen=True)
 class SequenceParams:
-    """A sequence's sampling parameters, as the kernels' keywords (checked: sequences_open.py)."""
+    """A sequence's sampling parameters, as the kernels' keywords (checked: sequences/open.py)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -148,7 +148,7 @@ class Sequence:
         return grown
 
     def appended(self, value: int) -> None:
-        """Token ``value`` was stored after the output (by the launch: sequences_lists.py)."""
+        """Token ``value`` was stored after the output (by the launch: sequences/lists.py)."""
         self.output_len += 1
         self.output_max_id = max(self.output_max_id, value)
 
@@ -172,7 +172,7 @@ class SequenceTable:
     _bytes: int = 0
     expired: int = 0  # sequences closed for idleness since the start
     # Held by a Sample by sequence ids on the Triton kernels from the reading of its sequences'
-    # state to the count of its tokens (sequences_lists.py): one at a time stores tokens.
+    # state to the count of its tokens (sequences/lists.py): one at a time stores tokens.
     launch_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def _sweep(self, now: float) -> None:

@@ -37,11 +37,11 @@ import grpc
 import torch
 from logitserve.v1.channel_format import MAX_REQUEST_ID  # the longest x-request-id accepted (below)
 
-from .errors import (DeadlineExpired, Draining, NotFound, QueueFull, TooLarge, Unauthenticated, Unsupported,
+from ..errors import (DeadlineExpired, Draining, NotFound, QueueFull, TooLarge, Unauthenticated, Unsupported,
                      exception_chain)
-from .identity import authorization_of
-from .logs import get_logger, log_event
-from .regions import RegionExists, RegionNotFound
+from ..identity import authorization_of
+from ..logs import get_logger, log_event
+from ..regions import RegionExists, RegionNotFound
 
 log = get_logger("rpc")
 
@@ -290,7 +290,7 @@ class Guard:
                 try:
                     async for response in behaviour(check(metadata, pairs, request, parse), context):
                         # The message let go as it is serialized: while the answer waits
-                        # for the client to read it, only its bytes are held (server/held.py).
+                        # for the client to read it, only its bytes are held (server/api/held.py).
                         response = self._sendable(response, serialize)
                         yield response
                 except GeneratorExit:

@@ -1,6 +1,6 @@
 """Sequences on the KServe front: a ``sample`` request with Triton's sequence parameters
 (sequence_params.py) samples by a sequence the server holds, through the same table
-(server/sequences.py), open path (``open_specs``) and Sample path (``SequenceLookup``) as
+(server/sequences/table.py), open path (``open_specs``) and Sample path (``SequenceLookup``) as
 ``logitserve.v1``'s OpenSequences and ``Sample(sequence_ids=...)``.
 
 As Triton's sequence batcher, one request is one sequence: ``LOGITS`` has one row, and its
@@ -19,11 +19,11 @@ import contextlib
 from logitserve.kernels.sampling.params import RANDOM_VAL, SAMPLING_PARAMS
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..errors import TooLarge
-from ..regions_servicer import caller
-from ..sequences import OPEN_FIRST, SequenceExists, SequenceNotFound
-from ..sequences_open import open_specs
-from ..sequences_sample import SequenceLookup
+from ...errors import TooLarge
+from ...regions.servicer import caller
+from ...sequences.table import OPEN_FIRST, SequenceExists, SequenceNotFound
+from ...sequences.open import open_specs
+from ...sequences.sample import SequenceLookup
 from . import translate
 from .sequence_params import SEQUENCE_ID, SEQUENCE_START
 

@@ -9,7 +9,7 @@ cached per state), staged with the rows' parameters, it replaces the per-call ga
 every list (``torch.cat`` over the rows: milliseconds at 256 rows), and the launch no longer
 depends on the lists' lengths: the processors, the draw and ``append_tokens`` (each drawn token
 stored after its row's output) are captured as one CUDA graph per (features, batch bucket,
-logits place), replayed as plain Sample calls are (server/graphs.py).
+logits place), replayed as plain Sample calls are (server/engine/graphs.py).
 
 The host keeps each output's length: before the launch every output has room for one more token
 (:meth:`.sequences.SequenceTable.reserve`), after it each row that drew a token counts it
@@ -31,11 +31,11 @@ from logitserve.kernels.sampling.params import FLOAT_PARAMS, INT_PARAMS, PENALTY
 from logitserve.kernels.sampling.process_kernels import COL_OUTPUT, COL_OUTPUT_CAPACITY
 from logitserve.kernels.sampling.processors import ListTable, append_tokens
 
-from .ops.resident import on_device, places, unstaged
-from .ops.sample_processors import logprobs_on_host
-from .sequences import SequenceState
-from .staging import Staging, to_host
-from .tensors import HostTensor
+from ..ops.resident import on_device, places, unstaged
+from ..ops.sample_processors import logprobs_on_host
+from .table import SequenceState
+from ..engine.staging import Staging, to_host
+from ..tensors import HostTensor
 
 _OUTPUT, _OUTPUT_CAPACITY = COL_OUTPUT.value, COL_OUTPUT_CAPACITY.value
 _PENALTIES = tuple(PENALTY_PARAMS)
