@@ -142,6 +142,8 @@ FLAGS = (
      "shared memory (iceoryx2) instead of gRPC (on, off)"),
     ("--max-channels", int, _D.max_channels, "same-host channels open at once, all clients together"),
     ("--channel-idle-s", float, _D.channel_idle_s, "a channel without a call for this long is closed (seconds)"),
+    ("--token-share", float, _D.token_share, "with --auth-token-file, the share of each server-wide bound "
+     "(channels, sequences and their bytes, regions and their bytes, held answers) one token may hold"),
     ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
     ("--log-level", str.lower, _D.log_level, f"one of {', '.join(LOG_LEVELS)} (any case)"),
 )

@@ -128,6 +128,11 @@ class ServerConfig:
     channels: bool = True
     max_channels: int = 32
     channel_idle_s: float = 600.0
+    # With bearer tokens on (--auth-token-file), the share of each server-wide bound a tenant can
+    # fill (channels, sequences and their bytes, regions and region bytes, held answers) that one
+    # token may hold (server/tenancy.py). Without tokens every caller is one identity (the
+    # authorization header is only hashed, so identities can be invented): the global bounds alone.
+    token_share: float = 0.5
     # On SIGTERM, in-flight calls get this long to finish.
     grace_period_s: float = 10.0
     log_level: str = "info"
@@ -157,6 +162,8 @@ class ServerConfig:
         for name in ("sequence_idle_s", "channel_idle_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name}: must be a finite number > 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.token_share) and 0 < self.token_share <= 1):
+            raise ValueError(f"token_share: must be in (0, 1], got {self.token_share}")
         if self.busy_poll_us < 0:
             raise ValueError(f"busy_poll_us: must be >= 0 (0: off), got {self.busy_poll_us}")
         if not (math.isfinite(self.grace_period_s) and self.grace_period_s >= 0):
