@@ -19,7 +19,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from logitserve.server.process import ServerProcess
 from logitserve.client import Client, LogitServeError
 from logitserve.client import messages
-from logitserve.server import ServerConfig, auth
+from logitserve.server import ServerConfig
+from logitserve.server.api import auth
 from logitserve.server.testing import ServerThread
 from logitserve.v1 import logitserve_pb2 as pb
 

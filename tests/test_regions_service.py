@@ -18,7 +18,7 @@ import torch
 
 from logitserve.client import AsyncClient, Client, LogitServeError
 from logitserve.client import regions as client_regions
-from logitserve.server import regions_servicer
+from logitserve.server.regions import servicer as regions_servicer
 from logitserve.server.api.auth import TokenStore
 from logitserve.server.api.guard import Guard, GuardedRegistrar
 from logitserve.server.regions import RegionRegistry, owner_of
