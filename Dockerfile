@@ -68,15 +68,18 @@ RUN set -eux; \
     python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
 
 # The package's dependencies, the server extra's with them, in a layer of their own that only
-# pyproject.toml invalidates (on Python < 3.11, without tomllib, the next step installs them
-# instead). torch is already here.
-COPY pyproject.toml /tmp/logitserve-deps/pyproject.toml
+# pyproject.toml and constraints.txt invalidate (on Python < 3.11, without tomllib, the next step
+# installs them instead), at the versions constraints.txt pins (what the tests ran with) but for
+# triton: torch is already here, and a PyTorch base image's torch comes with its own triton.
+COPY pyproject.toml constraints.txt /tmp/logitserve-deps/
 RUN set -eux; \
     for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT; do [ -n "$(printenv "$v")" ] || unset "$v"; done; \
     if python -c 'import tomllib' 2>/dev/null; then \
         python -c "import tomllib; p = tomllib.load(open('/tmp/logitserve-deps/pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['server'], sep='\n')" \
             > /tmp/logitserve-deps/requirements.txt; \
-        PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install -r /tmp/logitserve-deps/requirements.txt; \
+        grep -v '^triton==' /tmp/logitserve-deps/constraints.txt > /tmp/logitserve-deps/image-constraints.txt; \
+        PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install \
+            -c /tmp/logitserve-deps/image-constraints.txt -r /tmp/logitserve-deps/requirements.txt; \
     fi; \
     rm -rf /tmp/logitserve-deps
 
@@ -85,7 +88,10 @@ RUN set -eux; \
 COPY . /tmp/logitserve-src
 RUN set -eux; \
     for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT; do [ -n "$(printenv "$v")" ] || unset "$v"; done; \
-    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install "/tmp/logitserve-src[server]"; \
+    grep -v '^triton==' /tmp/logitserve-src/constraints.txt > /tmp/logitserve-image-constraints.txt; \
+    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install \
+        -c /tmp/logitserve-image-constraints.txt "/tmp/logitserve-src[server]"; \
+    rm /tmp/logitserve-image-constraints.txt; \
     rm -rf /tmp/logitserve-src; \
     python -c 'import logitserve.server, logitserve.client, logitserve.kernels'; \
     ln -s "$(python -c 'import logitserve.server.healthcheck as h; print(h.__file__)')" "$VIRTUAL_ENV/healthcheck.py"; \

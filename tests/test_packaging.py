@@ -22,6 +22,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 # The folders whose entries are importable by their bare names while the tests or the documented
@@ -65,3 +67,27 @@ def test_the_wheel_holds_every_package(tmp_path):
     assert not missing, f"packages missing from the wheel: {missing}"
     data = {p.relative_to(SRC).as_posix() for suffix in ("*.proto", "*.pyi") for p in SRC.glob(f"**/{suffix}")}
     assert data and not sorted(data - shipped), f"proto and stub files missing from the wheel: {sorted(data - shipped)}"
+
+
+def test_the_environment_is_what_constraints_txt_pins():
+    """Every package scripts/venv.sh installed is at the version constraints.txt pins, so a fresh
+    clone tests what was tested here; a dependency added or moved without the pins fails here."""
+    if pathlib.Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+        pytest.skip(f"this environment ({sys.prefix}) was not made by scripts/venv.sh")
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[canonical(name)] = version
+    # torch is pinned apart (TORCH_SPEC) and brings its own build's packages (nvidia-* with CUDA).
+    apart = {"torch", "logitserve", "pip", "setuptools", "wheel"}
+    apart |= {canonical(requirement.split(";")[0].split()[0].split("=")[0].split(">")[0].split("<")[0])
+              for requirement in importlib.metadata.requires("torch") or ()}
+    wrong = sorted(f"{name} {dist.version} (pinned: {pins.get(name, 'not pinned')})"
+                   for dist in importlib.metadata.distributions()
+                   if (name := canonical(dist.metadata["Name"])) not in apart and pins.get(name) != dist.version)
+    assert not wrong, f"run scripts/update_constraints.sh, then scripts/test.sh: {wrong}"
+
+
+def canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
