@@ -1,0 +1,289 @@
+"""Probe: what it costs to hand work between two processes' streams on one GPU (issue 44, item 0).
+
+An engine process (this one) and a server process (spawned) share one GPU. Each step the engine
+runs a "forward" (``torch.cuda._sleep``: a kernel that spins for a set time) and the server a
+"sample" (argmax over one 128256-wide float32 row, writing the token where the engine's next step
+reads it). Measured per step, the GPU's own time (events around a run whose enqueueing is held
+behind a gate the host opens once every step is enqueued, so the host's Python does not pace it):
+
+- ``in_process``: both kernels on the engine's stream: the floor.
+- ``device_flags``: the engine writes "logits ready" with ``cuStreamWriteValue64`` into device
+  memory shared over CUDA IPC and waits for "done" with ``cuStreamWaitValue64``; the server's
+  stream, every step enqueued ahead, waits for "ready", samples and writes "done".
+- ``host_flags``: the same marks in POSIX shared memory mapped for the GPU in both processes
+  (``cuMemHostRegister`` + ``cuMemHostGetDevicePointer``).
+- ``ipc_events``: inter-process events, each record handed to the other side over a pipe before
+  its wait is enqueued (a wait cannot be enqueued ahead of its record): a CPU hand-off per step.
+- ``graph_wait``: the server's step (wait, reset, sample, write) captured in a CUDA graph and
+  replayed, against the engine's eager steps: a wait as a graph node.
+
+Each mode runs at several forward lengths (0, 1 and 5 ms) and the report gives what it adds per
+step over ``in_process`` at the same length. With ``--mps`` the server and engine connect to an
+MPS daemon started here (the daemon only; the GPU's compute mode is never touched) and the
+device and host flag modes run again. The machine's runtime (Firecracker, gVisor) is read from
+the kernel's release.
+
+    python -m bench.stream_probe --out probe.json [--mps]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing import shared_memory
+
+from . import stream_probe_server as server
+from .stream_probe_server import DONE, FLAG_WORDS, READY, StreamOps, gpu_facts, host_flags, sample_step
+
+VOCAB = 128256
+GATE = 2  # the word of the host flags that gates a run's start
+RELEASE = 1 << 40  # written to a flag to release every wait on it (a run that timed out)
+
+
+def runtime_name() -> str:
+    release = platform.release()
+    if "fc" in release:
+        return f"Firecracker ({release})"
+    if release.startswith("4.4.0"):
+        return f"gVisor ({release})"
+    return release
+
+
+def sleep_cycles_per_us(torch) -> float:
+    """``torch.cuda._sleep``'s cycles per microsecond on this card, measured."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / (start.elapsed_time(end) * 1000)
+
+
+class Engine:
+    """The engine's side: its stream, the shared flags, the logits and the token buffer."""
+
+    def __init__(self, torch, ops: StreamOps, steps: int):
+        self.torch, self.ops, self.steps = torch, ops, steps
+        self.stream = torch.cuda.Stream()
+        self.logits = torch.randn(1, VOCAB, device="cuda")
+        self.tokens = torch.zeros(steps + 1, dtype=torch.int64, device="cuda")
+        self.device_flags = torch.zeros(8, dtype=torch.int64, device="cuda")
+        self.shm = shared_memory.SharedMemory(create=True, size=4096)
+        self.host = host_flags(self.shm)
+        self.host_flag_ptr = ops.register_host(self.shm)
+
+    def close(self):
+        self.ops.unregister_host(self.shm)
+        self.host = None
+        self.shm.close()
+        self.shm.unlink()
+
+    def reset(self):
+        self.torch.cuda.synchronize()
+        self.device_flags.zero_()
+        self.host[:] = [0] * FLAG_WORDS
+        self.torch.cuda.synchronize()
+
+    def timed(self, enqueue, timeout_s: float = 60.0) -> float:
+        """Enqueue every step behind the host gate, open it, and return the GPU's us per step."""
+        torch = self.torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            self.ops.wait(self.stream, self.host_flag_ptr + 8 * GATE, 1)
+            start.record()
+            enqueue()
+            end.record()
+        self.host[GATE] = 1
+        deadline = time.monotonic() + timeout_s
+        while not end.query():
+            if time.monotonic() > deadline:
+                self.release()
+                end.synchronize()
+                raise TimeoutError("a run did not finish: its waits were released")
+            time.sleep(0.0005)
+        return start.elapsed_time(end) * 1000 / self.steps
+
+    def release(self):
+        """Unblock every wait of either side (a run that stalled)."""
+        self.host[:] = [RELEASE] * FLAG_WORDS
+        with self.torch.cuda.stream(self.torch.cuda.Stream()):
+            self.device_flags.fill_(RELEASE)
+
+
+def run_modes(torch, engine: Engine, conn, cycles_per_us: float, forwards_us: list[int], repeats: int,
+              modes: list[str]) -> list[dict]:
+    rows = []
+    ops = engine.ops
+    steps = engine.steps
+    for forward_us in forwards_us:
+        cycles = int(forward_us * cycles_per_us)
+        for repeat in range(repeats):
+            for mode in modes:
+                engine.reset()
+                if mode == "in_process":
+                    def enqueue():
+                        for n in range(steps):
+                            if cycles:
+                                torch.cuda._sleep(cycles)
+                            sample_step(torch, engine.logits, engine.tokens, n)
+                    us = engine.timed(enqueue)
+                elif mode in ("device_flags", "host_flags", "graph_wait"):
+                    base = engine.device_flags.data_ptr() if mode != "host_flags" else engine.host_flag_ptr
+                    conn.send((mode, steps))
+                    assert conn.recv() == "enqueued"
+                    graph = mode == "graph_wait"
+
+                    def enqueue():
+                        for n in range(1, steps + 1):
+                            if cycles:
+                                torch.cuda._sleep(cycles)
+                            ops.write(engine.stream, base + 8 * READY, 1 if graph else n)
+                            ops.wait(engine.stream, base + 8 * DONE, 1 if graph else n, equal=graph)
+                            if graph:
+                                ops.write(engine.stream, base + 8 * DONE, 0)
+                    us = engine.timed(enqueue)
+                    assert conn.recv() == "finished"
+                elif mode == "ipc_events":
+                    us = ipc_event_steps(torch, engine, conn, cycles)
+                else:
+                    raise ValueError(mode)
+                rows.append({"mode": mode, "forward_us": forward_us, "repeat": repeat, "us_per_step": us})
+                print(f"{mode:>14} forward {forward_us:>5} us  repeat {repeat}: {us:9.1f} us/step", flush=True)
+    return rows
+
+
+def ipc_event_steps(torch, engine: Engine, conn, cycles: int) -> float:
+    """Inter-process events, each record handed over a pipe before the other side's wait."""
+    steps = engine.steps
+    mine = torch.cuda.Event(interprocess=True, blocking=False)
+    conn.send(("ipc_events", steps, mine.ipc_handle()))
+    theirs = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), conn.recv())
+    start = time.perf_counter()
+    with torch.cuda.stream(engine.stream):
+        for _ in range(steps):
+            if cycles:
+                torch.cuda._sleep(cycles)
+            mine.record(engine.stream)
+            conn.send("recorded")
+            assert conn.recv() == "recorded"
+            engine.stream.wait_event(theirs)
+    engine.stream.synchronize()
+    return (time.perf_counter() - start) * 1e6 / steps
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    med = {}
+    for row in rows:
+        med.setdefault((row["mode"], row["forward_us"]), []).append(row["us_per_step"])
+    lines = ["| mode | forward (us) | us per step (median) | added over in_process | repeats |", "|---|---:|---:|---:|---|"]
+    for (mode, forward_us), values in sorted(med.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        floor = statistics.median(med.get(("in_process", forward_us), [float("nan")]))
+        m = statistics.median(values)
+        lines.append(f"| {mode} | {forward_us} | {m:.1f} | {m - floor:+.1f} | "
+                     f"{', '.join(f'{v:.1f}' for v in values)} |")
+    return lines
+
+
+def start_mps(env: dict) -> tuple[bool, str]:
+    pipe, log = tempfile.mkdtemp(prefix="mps-pipe-"), tempfile.mkdtemp(prefix="mps-log-")
+    env.update(CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=log)
+    try:
+        done = subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"nvidia-cuda-mps-control -d: {exc}"
+    return done.returncode == 0, f"rc {done.returncode} {done.stdout.strip()} {done.stderr.strip()}"
+
+
+def stop_mps(env: dict) -> str:
+    done = subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=env, capture_output=True, text=True,
+                          timeout=30)
+    log = os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "control.log")
+    tail = open(log).read()[-2000:] if os.path.exists(log) else ""
+    return f"quit rc {done.returncode}; control.log: {tail}"
+
+
+def one_round(label: str, args, modes: list[str]) -> dict:
+    """Spawn the server, run the modes from this process as the engine, return the rows."""
+    import torch
+    import torch.multiprocessing
+
+    torch.cuda.init()
+    ops = StreamOps()
+    engine = Engine(torch, ops, args.steps)
+    cycles_per_us = sleep_cycles_per_us(torch)
+    ctx = torch.multiprocessing.get_context("spawn")  # its reductions pass CUDA tensors over IPC
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=server.serve, args=(child, engine.device_flags, engine.shm.name, engine.logits,
+                                                   engine.tokens))
+    proc.start()
+    try:
+        assert parent.recv() == "ready"
+        rows = run_modes(torch, engine, parent, cycles_per_us, args.forwards, args.repeats, modes)
+        parent.send(("stop",))
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        engine.close()
+    return {"label": label, "cycles_per_us": cycles_per_us, "rows": rows, "facts": gpu_facts(torch, ops)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--forwards", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1000, 5000])
+    parser.add_argument("--modes", default="in_process,device_flags,host_flags,ipc_events,graph_wait")
+    parser.add_argument("--mps", action="store_true", help="also under an MPS daemon started here")
+    parser.add_argument("--out", default="stream_probe.json")
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    report = {"runtime": runtime_name(), "python": sys.version.split()[0], "rounds": []}
+    print(f"runtime: {report['runtime']}", flush=True)
+    report["rounds"].append(one_round("no MPS", args, modes))
+    if args.mps:
+        env = dict(os.environ)
+        ok, why = start_mps(env)
+        report["mps_start"] = why
+        print(f"MPS daemon: {ok} {why}", flush=True)
+        if ok:
+            os.environ.update(CUDA_MPS_PIPE_DIRECTORY=env["CUDA_MPS_PIPE_DIRECTORY"],
+                              CUDA_MPS_LOG_DIRECTORY=env["CUDA_MPS_LOG_DIRECTORY"])
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_mps_round, args=(queue, args, ["in_process", "device_flags", "host_flags"]))
+            proc.start()
+            proc.join(400)
+            if proc.is_alive():
+                proc.kill()
+                report["mps_round"] = "timed out"
+            else:
+                report["rounds"].append(queue.get(timeout=5) if not queue.empty() else {"label": "MPS", "error": "none"})
+            report["mps_stop"] = stop_mps(env)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    for round_ in report["rounds"]:
+        print(f"\n## {round_['label']} ({report['runtime']}); facts: {round_.get('facts')}")
+        print("\n".join(summarize(round_.get("rows", []))))
+    return 0
+
+
+def _mps_round(queue, args, modes):
+    """A fresh process (its CUDA context made under MPS) runs one round as the engine."""
+    try:
+        queue.put(one_round("MPS", args, modes))
+    except BaseException as exc:  # noqa: BLE001 - reported in the report
+        queue.put({"label": "MPS", "error": repr(exc)})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
