@@ -23,18 +23,23 @@ protobuf and numpy; torch is optional (torch tensors are accepted when it is ins
 iceoryx2: ``pip install 'logitserve[channel]'``) instead of gRPC; against a server started with
 ``--devices``, each call goes to the process of its tensors' GPU.
 
-Modules, from the top: :mod:`.client` (``Client``, ``AsyncClient``: the operator methods and
-the calls), :mod:`.devices` (each call to its GPU's process; :mod:`.device_routes`, what it
-reads), :mod:`.same_host` (the same-host channel), :mod:`.region_methods` (the SharedMemory
-service's methods, a mixin of both clients), :mod:`.transport` (channel, method paths, timeout, backoff, CUDA synchronization),
-:mod:`.messages` (requests built from tensors), :mod:`.results` (answers read),
-:mod:`.region_table` (the regions a client registered, found by address), :mod:`.region_names`
-(the caller's names and the server's), :mod:`.regions` (shared memory to register and the
-SharedMemory messages), :mod:`.wire` (serialization with tensor bytes copied once, answers read
-in place), :mod:`.codec` (tensors to and from Tensor messages), :mod:`.errors`.
+Modules, from the top: :mod:`.client` (``Client``: how a call is made, the stream of steps,
+closing) and :mod:`.async_client` (``AsyncClient``, the same for asyncio), both made of
+:mod:`.operators` (the operator methods), :mod:`.region_methods` (the SharedMemory service's
+methods), :mod:`.sequences` (the sequences' methods) and :mod:`.construction` (the arguments, the
+channel and the call path); :mod:`.options` (the arguments checked when a client is made: the
+same-host channel's iceoryx2), :mod:`.retries` (who retries which call: gRPC's retry policy, or
+the client), :mod:`.devices` (each call to its GPU's process; :mod:`.device_routes`, what it
+reads), :mod:`.same_host` (the same-host channel), :mod:`.transport` (channel, method paths,
+timeout, CUDA synchronization), :mod:`.messages` (requests built from tensors), :mod:`.results`
+(answers read), :mod:`.region_table` (the regions a client registered, found by address),
+:mod:`.region_names` (the caller's names and the server's), :mod:`.regions` (shared memory to
+register and the SharedMemory messages), :mod:`.wire` (serialization with tensor bytes copied
+once, answers read in place), :mod:`.codec` (tensors to and from Tensor messages), :mod:`.errors`.
 """
 
-from .client import AsyncClient, Client
+from .async_client import AsyncClient
+from .client import Client
 from .errors import LogitServeError
 from .results import SampleResult, ServerInfo, StepResult, VerifyDraftResult
 

@@ -85,13 +85,14 @@ class DeviceRouting:
     """The mixin ``Client`` and ``AsyncClient`` put before their methods: sends each call to its
     device's process (see the module's docstring)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._routes = _Routes()
-
     def _bind(self, *args, **kwargs) -> None:
-        """The client's channel, its arguments kept for the device clients' own channels."""
+        """The client's channel, its arguments kept for the device clients' own channels. A new
+        client starts knowing none of the server's processes (a device client's routes are set
+        before it binds). Here, not in an ``__init__``, so that ``help(Client)`` shows the
+        constructor's arguments (:class:`~.construction.ClientBase`'s)."""
         self._bind_args = (args, kwargs)
+        if "_routes" not in vars(self):
+            self._routes = _Routes()
         super()._bind(*args, **kwargs)
 
     # ---------------------------------------------------------------------- the processes
@@ -185,17 +186,19 @@ class DeviceRouting:
             return messages.Encoder(self._regions)
         return DeviceEncoder(RegionTables(self._routes.tables(self._regions)))
 
-    def _send(self, rpc: str, enc: messages.Encoder, msg, response_type, read, timeout, stream):
+    def _send(self, rpc: str, enc: messages.Encoder, msg, response_type, read, timeout, stream,
+              wait_for_ready: bool | None = None):
         """Synchronize what the request names on CUDA, serialize it (tensor bytes copied once)
         and call ``rpc`` at the process of its device; the answer is read by ``read`` with the
-        request's ``out=`` outputs."""
+        request's ``out=`` outputs. A call naming sequences changes them: not idempotent."""
 
         def send(client):
             synchronize(enc.cuda_devices, stream)
             payload = enc.serialize(msg, self._recycler)
             self._recycler.give_back(payload)  # reused only once nothing references it (after this call)
             return client._call(rpc, payload, timeout, results.reader(response_type, read, enc.outputs),
-                                client._forgetting_missing(enc.referenced))
+                                client._forgetting_missing(enc.referenced), idempotent=not _names_sequences(msg),
+                                wait_for_ready=wait_for_ready)
 
         if self._routes.leaf or not (enc.devices or any(k is not TARGET for k in enc.table.owners.values())):
             return send(self)
