@@ -1,4 +1,4 @@
-"""Warm-up compiled side by side in spawned processes (server/engine/precompile.py): each (dtype, width)
+"""Warm-up compiled side by side in spawned processes (server/precompile.py): each (dtype, width)
 share runs the server's warm-up cases in a process of its own; a share that fails is logged and
 leaves the server's own warm-up to compile it. Interpreted kernels here (nothing to cache: the
 mechanics); on a GPU host the point is Triton's on-disk cache (docs/PERFORMANCE.md, cold start).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-from logitserve.server.engine.precompile import precompile, processes_for
+from logitserve.server.precompile import precompile, processes_for
 
 
 def test_processes_for():

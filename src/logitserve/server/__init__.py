@@ -1,14 +1,15 @@
 """logitserve's gRPC server: ``logitserve serve`` (cli.py), or in-process via :func:`create_server`.
 
-Modules, one concern each, bottom-up: config (the settings), tensors and wire (Tensor messages
-and requests read in place), errors, logs, staging (inputs to the device in one copy), graphs
-(launches replayed from CUDA graphs), device (a device handle, its launch thread, the one way a
-batch is launched), ops (validated calls and their batched launches), batcher (dynamic
-batching, and how a launch waits), occupancy (calls in the server), busy_poll (the lone-client
-event loop), guard (each handler's status codes, logs, metrics, auth), auth (tokens), metrics
-(Prometheus), servicer (the RPC handlers), app (wiring, health, reflection, TLS, drain), cli
-(flags and environment) and workers (``--workers``). The contract they keep is in
-docs/DESIGN.md.
+Its layers, top first (docs/DESIGN.md states the rules; tests/test_layers.py checks them): the
+entry points here (app: the wiring, health, reflection, TLS, drain; cli: flags and environment;
+workers and devices: several processes; process and testing: a server in a child process or on
+a background loop; precompile: warm-up compiled side by side); the front doors in ``api/`` (the
+LogitServe servicer, KServe, same-host channels, reflection, and the guard every handler goes
+through); server-held sequences in ``sequences/``; the operators' calls in ``ops/``; the
+machinery in ``engine/`` (device handle, batcher, CUDA graphs, staging, the busy-polling loop);
+tensors (Tensor messages to tensors, a region's slice included); shared-memory regions in
+``regions/``; and the shared modules (config, errors, identity, logs, metrics, tenancy, version,
+wire).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from .api.held import HeldAnswers
 from .logs import get_logger, log_event
 from .metrics import Metrics
 from .engine.occupancy import Occupancy
-from .engine.precompile import precompile
+from .precompile import precompile
 from .regions import RegionRegistry
 from .sequences.table import SequenceTable
 from .api.servicer import LogitServeServicer, request_parsers
@@ -188,7 +188,7 @@ class Service:
 
     async def warm_up(self) -> None:
         """Compile the kernels for the configured dtypes (on the Triton backend in parallel
-        processes first: server/engine/precompile.py), then report SERVING."""
+        processes first: server/precompile.py), then report SERVING."""
         config = self.config
         dtypes = tuple(_DTYPES_BY_NAME[name] for name in config.warmup_dtypes)
         if self.handle.backend == "triton" and dtypes:

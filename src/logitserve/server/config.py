@@ -71,7 +71,7 @@ class ServerConfig:
     # backend's own list (server/engine/device.py: Llama 2, Llama 3 and Qwen 2 vocabularies on triton).
     warmup_widths: tuple[int, ...] | None = None
     # Processes that compile warm-up's kernels side by side before the server's own warm-up
-    # (server/engine/precompile.py; Triton backend only). None: one per (dtype, width), a core left
+    # (server/precompile.py; Triton backend only). None: one per (dtype, width), a core left
     # over; 0 or 1: the server compiles alone.
     compile_processes: int | None = None
     # Triton's on-disk cache of compiled kernels (TRITON_CACHE_DIR; None: Triton's default,

@@ -20,7 +20,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from ..logs import get_logger, log_event
+from .logs import get_logger, log_event
 
 log = get_logger("precompile")
 
@@ -39,8 +39,8 @@ def _compile_share(device: str, backend: str, dtype_name: str, width: int) -> fl
     """In a spawned process: the warm-up cases of one dtype and width, launched once each."""
     import torch  # noqa: F401 - after spawn: this process's own CUDA context
 
-    from .. import ops
-    from .device import DeviceHandle
+    from . import ops
+    from .engine.device import DeviceHandle
 
     start = time.perf_counter()
     handle = DeviceHandle(device, backend, cuda_graphs=False)
