@@ -61,9 +61,9 @@ class AsyncClient(DeviceRouting, OperatorMethods):
             raise ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded waiting for the server "
                                                                   "(wait_for_ready)") from None
 
-    def _call_each(self, calls, combine):
+    def _call_each(self, calls, combine, wait_for_ready: bool | None = None):
         async def each():
-            return combine([await self._call(*call) for call in calls])
+            return combine([await self._call(*call, wait_for_ready=wait_for_ready) for call in calls])
 
         return each()
 

@@ -98,8 +98,8 @@ class Client(DeviceRouting, OperatorMethods):
             raise ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded waiting for the server "
                                                                   "(wait_for_ready)") from None
 
-    def _call_each(self, calls, combine):
-        return combine([self._call(*call) for call in calls])
+    def _call_each(self, calls, combine, wait_for_ready: bool | None = None):
+        return combine([self._call(*call, wait_for_ready=wait_for_ready) for call in calls])
 
     def stream_steps(self, steps: Iterable, *, timeout=CLIENT_TIMEOUT,
                      wait_for_ready: bool | None = None) -> Iterator[StepResult]:

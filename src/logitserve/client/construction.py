@@ -83,8 +83,9 @@ class ClientBase(RegionMethods, SequenceMethods):
         not retried by the client (:mod:`.retries`)."""
         raise NotImplementedError
 
-    def _call_each(self, calls, combine):
-        """``combine([result of each call])``: ``calls`` are ``_call``'s arguments, made in order."""
+    def _call_each(self, calls, combine, wait_for_ready: bool | None = None):
+        """``combine([result of each call])``: ``calls`` are ``_call``'s positional arguments,
+        made in order."""
         raise NotImplementedError
 
     def _deadline(self, timeout) -> float | None:

@@ -233,12 +233,13 @@ class DeviceRouting:
                              f"the server; unregister it there first")
 
     def register_system(self, name: str, key, byte_size: int | None = None, offset: int = 0, *,
-                        global_name: bool = False, timeout=CLIENT_TIMEOUT):
+                        global_name: bool = False, timeout=CLIENT_TIMEOUT, wait_for_ready=None):
         self._refuse_elsewhere(name, self, "register_system")
-        return super().register_system(name, key, byte_size, offset, global_name=global_name, timeout=timeout)
+        return super().register_system(name, key, byte_size, offset, global_name=global_name, timeout=timeout,
+                                       wait_for_ready=wait_for_ready)
 
     def register_cuda(self, name: str, handle, device_id: int | None = None, byte_size: int | None = None,
-                      offset: int = 0, *, global_name: bool = False, timeout=CLIENT_TIMEOUT):
+                      offset: int = 0, *, global_name: bool = False, timeout=CLIENT_TIMEOUT, wait_for_ready=None):
         balancing.require_one_server(self, "register_cuda")
         device = handle.device.index if codec.is_torch(handle) and handle.is_cuda else \
             handle.device_id if isinstance(handle, regions.CudaIpcHandle) else device_id
@@ -247,7 +248,8 @@ class DeviceRouting:
             client = self if device is None else self._on(device, "register_cuda")
             self._refuse_elsewhere(name, client, "register_cuda")
             return super(DeviceRouting, client).register_cuda(name, handle, device_id, byte_size, offset,
-                                                              global_name=global_name, timeout=timeout)
+                                                              global_name=global_name, timeout=timeout,
+                                                              wait_for_ready=wait_for_ready)
 
         return register() if device is None else self._after_learning(register)
 
@@ -259,21 +261,24 @@ class DeviceRouting:
         return self._holder(name)._regions.server_name(name, global_name)
 
     def shared_memory_status(self, name: str = "", *, kind: str | None = None, global_name: bool = False,
-                             all_of_caller: bool = False, timeout=CLIENT_TIMEOUT):
+                             all_of_caller: bool = False, timeout=CLIENT_TIMEOUT, wait_for_ready=None):
         clients = [self._holder(name)] if name else self._all_clients()
         return _joined([super(DeviceRouting, c).shared_memory_status(name, kind=kind, global_name=global_name,
-                                                                     all_of_caller=all_of_caller, timeout=timeout)
+                                                                     all_of_caller=all_of_caller, timeout=timeout,
+                                                                     wait_for_ready=wait_for_ready)
                         for c in clients], lambda parts: [s for part in parts for s in part])
 
     def unregister(self, name: str = "", *, kind: str | None = None, global_name: bool = False,
-                   all_of_caller: bool = False, timeout=CLIENT_TIMEOUT) -> list[str]:
+                   all_of_caller: bool = False, timeout=CLIENT_TIMEOUT, wait_for_ready=None) -> list[str]:
         clients = [self._holder(name)] if name else self._all_clients()
         return _joined([super(DeviceRouting, c).unregister(name, kind=kind, global_name=global_name,
-                                                           all_of_caller=all_of_caller, timeout=timeout)
+                                                           all_of_caller=all_of_caller, timeout=timeout,
+                                                           wait_for_ready=wait_for_ready)
                         for c in clients], lambda parts: sorted(n for part in parts for n in part))
 
-    def reconcile_regions(self, *, timeout=CLIENT_TIMEOUT) -> list[str]:
-        return _joined([super(DeviceRouting, c).reconcile_regions(timeout=timeout) for c in self._all_clients()],
+    def reconcile_regions(self, *, timeout=CLIENT_TIMEOUT, wait_for_ready=None) -> list[str]:
+        return _joined([super(DeviceRouting, c).reconcile_regions(timeout=timeout, wait_for_ready=wait_for_ready)
+                        for c in self._all_clients()],
                        lambda parts: [n for part in parts for n in part])
 
 

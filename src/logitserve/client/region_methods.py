@@ -1,10 +1,11 @@
 """The client methods of the ``SharedMemory`` service: registering regions, their status and
 unregistering them, written once for ``Client`` and ``AsyncClient``.
 
-:class:`RegionMethods` is a mixin of :class:`~.client._Methods`: it uses the client's ``_simple``
+:class:`RegionMethods` is a base of :class:`~.construction.ClientBase`: it uses the client's ``_simple``
 (one call of a plain message), ``_call_each`` (several calls, one result), ``_regions`` (the
 :class:`~.region_table.RegionTable` of what was registered through it) and
-``unregister_on_close``. The requests and answers are :mod:`.regions`'s.
+``unregister_on_close``. The requests and answers are :mod:`.regions`'s. Every method takes
+``timeout=`` and ``wait_for_ready=`` as the operators' do (the client's docstring).
 
 Names: the caller writes its own (``"logits"``) everywhere; the server knows each by the
 client's scoped name (:mod:`.region_names`), which the table translates both ways. What a
@@ -68,7 +69,7 @@ class RegionMethods:
         ``regions.shared_array(shape, dtype, key=client.shm_key())`` and its siblings."""
         return keys.scoped_key(self._token, name)
 
-    def register(self, name: str, x, *, global_name: bool = False, timeout=CLIENT_TIMEOUT):
+    def register(self, name: str, x, *, global_name: bool = False, timeout=CLIENT_TIMEOUT, wait_for_ready=None):
         """Register ``x`` as region ``name``: a :class:`~.regions.SharedHostBuffer`
         (``regions.shared_array`` / ``shared_tensor`` / ``shared_copy``) through
         :meth:`register_system`, a contiguous torch CUDA tensor through :meth:`register_cuda`.
@@ -76,14 +77,15 @@ class RegionMethods:
         :meth:`register_system`'s."""
         balancing.require_one_server(self, "register")
         if isinstance(x, regions.SharedHostBuffer):
-            return self.register_system(name, x, global_name=global_name, timeout=timeout)
+            return self.register_system(name, x, global_name=global_name, timeout=timeout,
+                                        wait_for_ready=wait_for_ready)
         if codec.is_torch(x) and x.is_cuda:
-            return self.register_cuda(name, x, global_name=global_name, timeout=timeout)
+            return self.register_cuda(name, x, global_name=global_name, timeout=timeout, wait_for_ready=wait_for_ready)
         raise TypeError(f"register: {name!r}: give a SharedHostBuffer (place host memory with regions.shared_copy "
                         f"or shared_array / shared_tensor) or a torch CUDA tensor, got {type(x).__name__}")
 
     def register_system(self, name: str, key, byte_size: int | None = None, offset: int = 0, *,
-                        global_name: bool = False, timeout=CLIENT_TIMEOUT):
+                        global_name: bool = False, timeout=CLIENT_TIMEOUT, wait_for_ready=None):
         """Register ``[offset, offset + byte_size)`` of the POSIX shared-memory object ``key`` as
         region ``name``. ``key`` may be a :class:`~.regions.SharedHostBuffer`
         (``regions.shared_array`` / ``shared_tensor``), whose size is then the default, and
@@ -99,10 +101,10 @@ class RegionMethods:
             self._regions.add_system(name, buf, request.offset, request.byte_size, server_name)
 
         return self._simple("RegisterSystemSharedMemory", request, pb.RegisterSharedMemoryResponse,
-                            regions.registered, timeout, after)
+                            regions.registered, timeout, after, wait_for_ready=wait_for_ready)
 
     def register_cuda(self, name: str, handle, device_id: int | None = None, byte_size: int | None = None,
-                      offset: int = 0, *, global_name: bool = False, timeout=CLIENT_TIMEOUT):
+                      offset: int = 0, *, global_name: bool = False, timeout=CLIENT_TIMEOUT, wait_for_ready=None):
         """Register CUDA memory as region ``name``: ``handle`` a contiguous torch CUDA tensor (its
         allocation's IPC handle and its offset in it are sent; needs cuda-python), a
         :class:`~.regions.CudaIpcHandle`, or the 64 bytes of a ``cudaIpcMemHandle_t`` with
@@ -124,10 +126,10 @@ class RegionMethods:
                                    handle.device_id if base is not None else request.device_id, keep, server_name)
 
         return self._simple("RegisterCudaSharedMemory", request, pb.RegisterSharedMemoryResponse,
-                            regions.registered, timeout, after)
+                            regions.registered, timeout, after, wait_for_ready=wait_for_ready)
 
     def shared_memory_status(self, name: str = "", *, kind: str | None = None, global_name: bool = False,
-                             all_of_caller: bool = False, timeout=CLIENT_TIMEOUT):
+                             all_of_caller: bool = False, timeout=CLIENT_TIMEOUT, wait_for_ready=None):
         """The regions registered through this client (of ``kind``, "system" or "cuda", when
         given) as a list of :class:`~.regions.RegionStatus` under the caller's names (and
         ``server_name``, the server's). ``name``: that one region (NOT_FOUND when the server does
@@ -148,10 +150,10 @@ class RegionMethods:
 
         named = {server_name: mine[server_name]} if server_name in mine else {}
         return self._simple("SharedMemoryStatus", request, pb.SharedMemoryStatusResponse, listed, timeout,
-                            on_error=self._forgetting_missing(named))
+                            on_error=self._forgetting_missing(named), wait_for_ready=wait_for_ready)
 
     def unregister(self, name: str = "", *, kind: str | None = None, global_name: bool = False,
-                   all_of_caller: bool = False, timeout=CLIENT_TIMEOUT) -> list[str]:
+                   all_of_caller: bool = False, timeout=CLIENT_TIMEOUT, wait_for_ready=None) -> list[str]:
         """Unregister region ``name``; without a name, every region registered through this client
         (of ``kind`` when given), one request each, and nothing else: other clients keep theirs,
         those of the same caller too (every client, without bearer tokens).
@@ -175,7 +177,7 @@ class RegionMethods:
                 return shown
 
             return self._simple("UnregisterSharedMemory", pb.UnregisterSharedMemoryRequest(kind=enum),
-                                pb.UnregisterSharedMemoryResponse, gone, timeout)
+                                pb.UnregisterSharedMemoryResponse, gone, timeout, wait_for_ready=wait_for_ready)
         if name:
             server_name = self._regions.server_name(name, global_name)
             serial = self._regions.registrations().get(server_name)
@@ -184,7 +186,7 @@ class RegionMethods:
             calls = [self._unregister_one(server_name, serial, self._regions.shown_name(server_name),
                                           pb.REGION_KIND_UNSPECIFIED, timeout)
                      for server_name, serial in self._regions.registrations(kind).items()]
-        return self._call_each(calls, lambda answers: sorted(n for names in answers for n in names))
+        return self._call_each(calls, lambda answers: sorted(n for names in answers for n in names), wait_for_ready)
 
     def _unregister_one(self, server_name: str, serial: int | None, shown: str, kind: int, timeout):
         """The call that unregisters one region: ``(rpc, request bytes, timeout, parse)``; its
@@ -201,7 +203,7 @@ class RegionMethods:
         return ("UnregisterSharedMemory", request.SerializeToString(), timeout,
                 parse_as(pb.UnregisterSharedMemoryResponse, gone))
 
-    def reconcile_regions(self, *, timeout=CLIENT_TIMEOUT) -> list[str]:
+    def reconcile_regions(self, *, timeout=CLIENT_TIMEOUT, wait_for_ready=None) -> list[str]:
         """Bring this client's table in line with the server: drop every region registered through
         this client that the server no longer holds for this caller (unregistered by another
         client of the same caller with ``all_of_caller``, or by a server restart), with the
@@ -214,7 +216,7 @@ class RegionMethods:
             return self._regions.drop({n: serial for n, serial in before.items() if n not in held})
 
         return self._simple("SharedMemoryStatus", pb.SharedMemoryStatusRequest(), pb.SharedMemoryStatusResponse,
-                            compare, timeout)
+                            compare, timeout, wait_for_ready=wait_for_ready)
 
     def _forgetting_missing(self, named: Registrations):
         """The ``on_error`` of a call naming the registrations ``named``: a NOT_FOUND that quotes
