@@ -104,15 +104,33 @@ def sequence_of(spec: pb.SequenceSpec, path: str, owner: str | None, device: tor
                     output_len=int(output.shape[0]), output_max_id=max_id(output))
 
 
+def distinct_ids(items, field) -> list[int]:
+    """The ``id`` of each of ``items`` (specs or updates); ``ValueError`` naming ``field(i)`` of
+    the first id given twice."""
+    ids = [item.id for item in items]
+    if len(set(ids)) != len(ids):
+        first: dict[int, int] = {}
+        for i, seq_id in enumerate(ids):
+            if first.setdefault(seq_id, i) != i:
+                raise ValueError(f"{field(i)}: {seq_id} appears twice in this request (also {field(first[seq_id])})")
+    return ids
+
+
 async def open_specs(table: SequenceTable, specs: list, owner: str | None, max_vocab: int, *,
                      what: str = "OpenSequences", path=lambda i: f"sequences[{i}].",
                      id_field=lambda i: f"sequences[{i}].id") -> list[Sequence]:
-    """``specs`` (SequenceSpecs, ids distinct) checked and copied off the loop, then opened, all
-    or none: the one open path of both fronts. ``what`` names the request, ``path(i)`` the i-th
-    spec's fields and ``id_field(i)`` its id in messages (the KServe front's differ)."""
+    """``specs`` (SequenceSpecs) checked and copied off the loop, then opened, all or none: the
+    one open path of both fronts. ``what`` names the request, ``path(i)`` the i-th spec's
+    fields and ``id_field(i)`` its id in messages (the KServe front's differ).
+
+    What can be refused without building a sequence is, first: too many (before a spec is
+    read), an id twice, an id open already; a request refused there costs no copy."""
     if table.max_sequences == 0:
         raise TooLarge(f"{what}: this server keeps no sequences (--max-sequences 0); send each row's parameters "
                        f"and lists with Sample instead")
+    table.check_room(len(specs), what)
+    ids = distinct_ids(specs, id_field)
+    table.check_absent(owner, ids, id_field)
     sequences = await asyncio.to_thread(
         lambda: [sequence_of(spec, path(i), owner, table.device, max_vocab) for i, spec in enumerate(specs)])
     table.open(sequences, id_field, what)
@@ -122,15 +140,13 @@ async def open_specs(table: SequenceTable, specs: list, owner: str | None, max_v
 async def open_sequences(table: SequenceTable, request: pb.OpenSequencesRequest, owner: str | None,
                          max_vocab: int) -> pb.OpenSequencesResponse:
     """The OpenSequences handler's work."""
-    first: dict[int, int] = {}
-    for i, spec in enumerate(request.sequences):
-        if first.setdefault(spec.id, i) != i:
-            raise ValueError(f"sequences[{i}].id: {spec.id} appears twice in this request (also sequences"
-                             f"[{first[spec.id]}])")
-    sequences = await open_specs(table, list(request.sequences), owner, max_vocab)
+    sequences = await open_specs(table, request.sequences, owner, max_vocab)
     return pb.OpenSequencesResponse(seeds=[s.params.seed for s in sequences])
 
 
 def close_sequences(table: SequenceTable, request: pb.CloseSequencesRequest,
                     owner: str | None) -> pb.CloseSequencesResponse:
+    """The CloseSequences handler's work: at most --max-sequences ids a call (more could never
+    all be open), refused before they are walked."""
+    table.check_named(len(request.ids), "ids")
     return pb.CloseSequencesResponse(closed_ids=table.close(owner, request.ids))

@@ -190,6 +190,37 @@ class SequenceTable:
         self._bytes -= seq.counted
         return seq
 
+    def check_named(self, count: int, what: str) -> None:
+        """``TooLarge`` for a request naming ``count`` sequences, more than can be open at once:
+        checked before its ids are read (a request may carry millions)."""
+        if count > self.max_sequences:
+            raise TooLarge(f"{what}: {count} sequences named, more than can be open at once (--max-sequences "
+                           f"{self.max_sequences}); name at most {self.max_sequences} a call")
+
+    def check_room(self, count: int, what: str) -> None:
+        """``TooLarge`` unless ``count`` more sequences may open: checked before a request's
+        specs are read or built, and again by :meth:`open`."""
+        with self._lock:
+            self._sweep(self.clock())
+            self._check_room(count, what)
+
+    def _check_room(self, count: int, what: str) -> None:
+        if len(self._open) + count > self.max_sequences:
+            raise TooLarge(f"{what}: {count} more would make {len(self._open) + count} open, past the server's "
+                           f"limit (--max-sequences {self.max_sequences}); close some first")
+
+    def check_absent(self, owner: str | None, ids, id_field=lambda i: f"sequences[{i}].id") -> None:
+        """``SequenceExists`` for the first of ``ids`` ``owner`` has open: checked before the
+        request's sequences are built, and again by :meth:`open`."""
+        with self._lock:
+            self._check_absent(owner, ids, id_field)
+
+    def _check_absent(self, owner, ids, id_field) -> None:
+        for i, seq_id in enumerate(ids):
+            if (owner, seq_id) in self._open:
+                raise SequenceExists(f"{id_field(i)}: sequence {seq_id} is open already; close it first with "
+                                     f"CloseSequences, or pick another id")
+
     def open(self, sequences: list[Sequence], id_field=lambda i: f"sequences[{i}].id",
              what: str = "OpenSequences") -> None:
         """Open ``sequences`` (one caller's, ids distinct), all or none: ``SequenceExists`` for
@@ -198,14 +229,9 @@ class SequenceTable:
         with self._lock:
             now = self.clock()
             self._sweep(now)
-            for i, seq in enumerate(sequences):
-                if (seq.owner, seq.id) in self._open:
-                    raise SequenceExists(f"{id_field(i)}: sequence {seq.id} is open already; close it first "
-                                         f"with CloseSequences, or pick another id")
-            if len(self._open) + len(sequences) > self.max_sequences:
-                raise TooLarge(f"{what}: {len(sequences)} more would make {len(self._open) + len(sequences)} "
-                               f"open, past the server's limit (--max-sequences {self.max_sequences}); close some "
-                               f"first")
+            if sequences:
+                self._check_absent(sequences[0].owner, [seq.id for seq in sequences], id_field)
+            self._check_room(len(sequences), what)
             for seq in sequences:
                 seq.last_used = now
                 seq.counted = seq.nbytes
@@ -223,6 +249,22 @@ class SequenceTable:
                     closed.append(seq_id)
         return closed
 
+    def check_found(self, owner: str | None, ids, field=lambda i: f"updates[{i}].id") -> None:
+        """``SequenceNotFound`` naming ``field(i)`` of the first of ``ids`` ``owner`` has not open:
+        checked before an update's changes are built, and again by :meth:`update`."""
+        with self._lock:
+            self._sweep(self.clock())
+            self._found(owner, ids, field)
+
+    def _found(self, owner, ids, field) -> list[Sequence]:
+        found = []
+        for i, seq_id in enumerate(ids):
+            seq = self._open.get((owner, seq_id))
+            if seq is None:
+                raise not_open(field(i), seq_id)
+            found.append(seq)
+        return found
+
     def update(self, owner: str | None, changes: list, field=lambda i: f"updates[{i}].id") -> list[int]:
         """``owner``'s sequences given new states: ``changes`` of ``(id, change)``, where
         ``change(state)`` is the sequence's new SequenceState; all or none (``SequenceNotFound``
@@ -230,12 +272,7 @@ class SequenceTable:
         with self._lock:
             now = self.clock()
             self._sweep(now)
-            found = []
-            for i, (seq_id, _) in enumerate(changes):
-                seq = self._open.get((owner, seq_id))
-                if seq is None:
-                    raise not_open(field(i), seq_id)
-                found.append(seq)
+            found = self._found(owner, [seq_id for seq_id, _ in changes], field)
             for seq, (_, change) in zip(found, changes):
                 old = seq.state.nbytes
                 seq.state = change(seq.state)

@@ -20,7 +20,7 @@ from logitserve.kernels.sampling.params import (FREQUENCY_PENALTY, MIN_P, MIN_TO
 from logitserve.v1 import logitserve_pb2 as pb
 
 from .table import SequenceState, SequenceTable
-from .open import check_bias, check_ids, check_param, max_id
+from .open import check_bias, check_ids, check_param, distinct_ids, max_id
 
 # The parameters an update may set (the step is the sequence's own: kept).
 _PARAMS = (TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, REPETITION_PENALTY, FREQUENCY_PENALTY, PRESENCE_PENALTY,
@@ -56,11 +56,11 @@ def _changes(request: pb.UpdateSequencesRequest, device: torch.device, max_vocab
 
 async def update_sequences(table: SequenceTable, request: pb.UpdateSequencesRequest, owner: str | None,
                            max_vocab: int) -> pb.UpdateSequencesResponse:
-    """The UpdateSequences handler's work: checked and copied off the loop, then applied."""
-    first: dict[int, int] = {}
-    for i, update in enumerate(request.updates):
-        if first.setdefault(update.id, i) != i:
-            raise ValueError(f"updates[{i}].id: {update.id} appears twice in this request (also updates"
-                             f"[{first[update.id]}])")
+    """The UpdateSequences handler's work: refused before any change is built where it can be
+    (more updates than can be open, an id twice, an id not open), checked and copied off the
+    loop, then applied."""
+    table.check_named(len(request.updates), "updates")
+    ids = distinct_ids(request.updates, lambda i: f"updates[{i}].id")
+    table.check_found(owner, ids)
     changes = await asyncio.to_thread(_changes, request, table.device, max_vocab)
     return pb.UpdateSequencesResponse(steps=table.update(owner, changes))
