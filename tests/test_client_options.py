@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tomllib
 
-from logitserve.client import AsyncClient, Client, messages, options
+from logitserve.client import AsyncClient, Client, arguments, messages
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Made in a fresh interpreter (the iceoryx2 it sees set up by the test): the error's message, or "made".
@@ -70,8 +70,8 @@ def test_the_client_server_and_pyproject_pin_one_iceoryx2_release():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     pinned = {requirement for extra in ("channel", "server") for requirement in extras[extra]
               if requirement.startswith("iceoryx2")}
-    assert pinned == {f"iceoryx2=={options.ICEORYX2_VERSION}"}
-    assert transport.ICEORYX2_VERSION == options.ICEORYX2_VERSION
+    assert pinned == {f"iceoryx2=={arguments.ICEORYX2_VERSION}"}
+    assert transport.ICEORYX2_VERSION == arguments.ICEORYX2_VERSION
 
 
 def test_help_names_samples_every_argument():

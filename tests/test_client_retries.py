@@ -1,4 +1,4 @@
-"""Who retries which call after UNAVAILABLE (client/retries.py), against a fake server that fails
+"""Who retries which call after UNAVAILABLE (client/retrying.py), against a fake server that fails
 each method's first calls: gRPC's retry policy for the methods it can judge by name, large
 requests included; the client's own loop for a Sample naming no sequences; never a Sample naming
 sequences (it advances them); the attempts ``retries`` gives and the one deadline across them;
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from recording_server import fake_answer, recording_server
 
-from logitserve.client import AsyncClient, Client, LogitServeError, balancing, regions, retries
+from logitserve.client import AsyncClient, Client, LogitServeError, balancing, regions, retrying
 from logitserve.v1 import logitserve_pb2 as pb
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -161,12 +161,12 @@ def test_a_given_method_config_is_kept_and_may_not_set_retries(failing):
     given = {"methodConfig": [{"name": [{"service": "logitserve.v1.LogitServe"}], "timeout": "7s"},
                               {"name": [{"service": "logitserve.v1.SharedMemory", "method": "SharedMemoryStatus"},
                                         {"service": "other.Service"}], "waitForReady": False}]}
-    composed = json.loads(retries.with_retry_policy(
+    composed = json.loads(retrying.with_retry_policy(
         balancing.service_config("pick_first", {"grpc.service_config": json.dumps(given)}), 3,
-        retries.retried_by_hand(())))
+        retrying.retried_by_hand(())))
     by_name = {(n["service"], n.get("method")): {k: v for k, v in c.items() if k != "name"}
                for c in composed["methodConfig"] for n in c["name"]}
-    policy = retries.retry_policy(3)
+    policy = retrying.retry_policy(3)
     assert by_name[("logitserve.v1.LogitServe", None)] == {"timeout": "7s"}  # Sample's: no retryPolicy
     assert by_name[("logitserve.v1.LogitServe", "Softmax")] == {"timeout": "7s", "retryPolicy": policy}
     assert by_name[("logitserve.v1.SharedMemory", "SharedMemoryStatus")] == {"waitForReady": False,
@@ -187,14 +187,16 @@ def test_a_given_method_config_is_kept_and_may_not_set_retries(failing):
 
 def test_a_same_host_client_retries_its_channels_calls_itself():
     """Its channel's calls do not go through gRPC's retrying, and OpenChannel is part of them:
-    gRPC's policy covers only the SharedMemory service (tests/test_channel_lifecycle.py runs them)."""
+    gRPC's policy covers the SharedMemory service and CloseChannel (tests/test_channel*.py run them)."""
     from logitserve.v1 import channel_format as fmt
 
-    by_hand = retries.retried_by_hand(fmt.METHOD_NUMBERS)
-    composed = json.loads(retries.with_retry_policy(balancing.service_config("pick_first", {}), 3, by_hand))
+    by_hand = retrying.retried_by_hand(fmt.METHOD_NUMBERS)
+    composed = json.loads(retrying.with_retry_policy(balancing.service_config("pick_first", {}), 3, by_hand))
     (config,) = composed["methodConfig"]
-    assert {n["service"] for n in config["name"]} == {"logitserve.v1.SharedMemory"}
-    assert {"Sample", "GetServerInfo", "OpenChannel", "CloseChannel"} <= by_hand
+    assert {(n["service"], n["method"]) for n in config["name"]} == {
+        ("logitserve.v1.LogitServe", "CloseChannel"), *(("logitserve.v1.SharedMemory", method) for method in (
+            "RegisterSystemSharedMemory", "RegisterCudaSharedMemory", "SharedMemoryStatus", "UnregisterSharedMemory"))}
+    assert {"Sample", "GetServerInfo", "OpenChannel"} <= by_hand and "CloseChannel" not in by_hand
 
 
 def test_deploys_service_config_retries_as_the_client_does():
@@ -202,7 +204,7 @@ def test_deploys_service_config_retries_as_the_client_does():
     default policy. It retries every Sample: it is round_robin, under which no sequence is opened."""
     config = json.loads(DEPLOY_SERVICE_CONFIG.read_text())
     (method,) = config["methodConfig"]
-    assert method["retryPolicy"] == retries.retry_policy(3)
+    assert method["retryPolicy"] == retrying.retry_policy(3)
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
 
 

@@ -27,8 +27,8 @@ Modules, from the top: :mod:`.client` (``Client``: how a call is made, the strea
 closing) and :mod:`.async_client` (``AsyncClient``, the same for asyncio), both made of
 :mod:`.operators` (the operator methods), :mod:`.region_methods` (the SharedMemory service's
 methods), :mod:`.sequences` (the sequences' methods) and :mod:`.construction` (the arguments, the
-channel and the call path); :mod:`.options` (the arguments checked when a client is made: the
-same-host channel's iceoryx2), :mod:`.retries` (who retries which call: gRPC's retry policy, or
+channel and the call path); :mod:`.arguments` (the arguments checked when a client is made: the
+same-host channel's iceoryx2), :mod:`.retrying` (who retries which call: gRPC's retry policy, or
 the client), :mod:`.devices` (each call to its GPU's process; :mod:`.device_routes`, what it
 reads), :mod:`.same_host` (the same-host channel), :mod:`.transport` (channel, method paths,
 timeout, CUDA synchronization), :mod:`.messages` (requests built from tensors), :mod:`.results`

@@ -16,7 +16,7 @@ from .errors import LogitServeError
 from .operators import OperatorMethods
 from .region_table import Registrations
 from .results import StepResult
-from .retries import after_failure
+from .retrying import after_failure
 from .same_host import ChannelError, closing_calls
 from .transport import CLIENT_TIMEOUT, time_left
 

@@ -21,7 +21,7 @@ from .errors import LogitServeError
 from .operators import OperatorMethods
 from .region_table import Registrations
 from .results import StepResult
-from .retries import after_failure
+from .retrying import after_failure
 from .same_host import ChannelError, closing_calls
 from .transport import CLIENT_TIMEOUT, time_left
 
@@ -41,7 +41,7 @@ class Client(DeviceRouting, OperatorMethods):
     deadline; other codes raise at once, and a deadline that passes first ends the call
     DEADLINE_EXCEEDED. gRPC's retry policy does it (the channel's service config), except for a
     ``sample`` naming ``sequence_ids``, which is never sent twice (it advances the sequences),
-    and the calls of a same-host channel, which the client retries itself (:mod:`.retries`).
+    and the calls of a same-host channel, which the client retries itself (:mod:`.retrying`).
 
     ``wait_for_ready``: False (gRPC's default, and tritonclient's): a call to a server that
     cannot be reached fails UNAVAILABLE at once, after its retries (about 0.35 s with the

@@ -4,7 +4,7 @@ up to the one each class writes for itself (``_call``: blocking, or a coroutine)
 
 Every method builds its request and hands it, as bytes, to ``_call``: the channel's methods have
 no serializers of their own (:mod:`.wire` serializes with each tensor's bytes copied once). Who
-retries what is :mod:`.retries`'; :meth:`ClientBase._plan` says it for one call.
+retries what is :mod:`.retrying`'; :meth:`ClientBase._plan` says it for one call.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import grpc
 from logitserve.v1 import channel_format as fmt
 from logitserve.v1 import logitserve_pb2 as pb
 
-from . import balancing, messages, options as checks, results, retries as retrying, same_host, wire
+from . import arguments, balancing, messages, results, retrying, same_host, wire
 from .region_methods import RegionMethods
 from .region_names import NEW_SCOPE, Scope
 from .region_table import Registrations, RegionTable
@@ -50,7 +50,7 @@ class ClientBase(RegionMethods, SequenceMethods):
         self.load_balancing = balancing.policy(load_balancing)
         self.timeout = timeout
         self.retries = retrying.checked(retries)
-        self.wait_for_ready = checks.wait_for_ready(wait_for_ready)
+        self.wait_for_ready = arguments.wait_for_ready(wait_for_ready)
         self.unregister_on_close = unregister_on_close
         self._token = token
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -63,7 +63,9 @@ class ClientBase(RegionMethods, SequenceMethods):
         """The channel and its raw-bytes methods, one per RPC; with a same-host ``channel``
         (refused here when this Python cannot run it), the calls it carries through it
         (:mod:`.same_host`)."""
-        settings = checks.channel(channel)
+        settings = arguments.channel(channel)
+        # The service config comes before the channel, and same_host.bind after it: what a channel
+        # carries is the channel format's list of methods, which bind carries.
         self._retried_by_hand = retrying.retried_by_hand(fmt.METHOD_NUMBERS if settings is not None else ())
         given = dict(options)
         composed = {retrying.RETRY_BUFFER_OPTION: retrying.RETRY_BUFFER_BYTES, **given}
@@ -80,7 +82,7 @@ class ClientBase(RegionMethods, SequenceMethods):
               wait_for_ready: bool | None = None):
         """``parse(answer)`` of ``rpc`` for ``request``; a failure raises ``on_error(LogitServeError)``
         (default: the error). ``idempotent=False``: the call changes the server's state, and is
-        not retried by the client (:mod:`.retries`)."""
+        not retried by the client (:mod:`.retrying`)."""
         raise NotImplementedError
 
     def _call_each(self, calls, combine, wait_for_ready: bool | None = None):
@@ -97,7 +99,7 @@ class ClientBase(RegionMethods, SequenceMethods):
         retries, whether it waits for the gRPC channel before an attempt that opens the
         same-host channel)``. A same-host channel's method takes no ``wait_for_ready``: its
         OpenChannel (over gRPC) would fail at once, so the client waits for the channel first."""
-        wait = self.wait_for_ready if wait_for_ready is None else checks.wait_for_ready(wait_for_ready)
+        wait = self.wait_for_ready if wait_for_ready is None else arguments.wait_for_ready(wait_for_ready)
         by_hand = self.retries if idempotent and rpc in self._retried_by_hand else 0
         if rpc in self._carried:
             return self._methods[rpc], {}, by_hand, wait

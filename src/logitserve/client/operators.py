@@ -58,7 +58,7 @@ class OperatorMethods(ClientBase):
         parameters, the processors' lists, seed and step) the server samples with; leave the
         parameters and lists above unset (``grammar_bitmask``, ``logprobs``, ``logprobs_mode``,
         ``return_kept``, ``filter_order`` and ``out`` still apply). Each sequence's output and step
-        advance, so such a call is not retried after UNAVAILABLE (:mod:`.retries`): it raises,
+        advance, so such a call is not retried after UNAVAILABLE (:mod:`.retrying`): it raises,
         and ``update_sequences`` tells each sequence's step. Refused on a round_robin client.
 
         ``out``: a dict (or an object with these attributes) of registered outputs, any of

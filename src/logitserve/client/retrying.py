@@ -46,8 +46,9 @@ BACKOFF_JITTER = 0.2
 RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE,)
 # How much of a call's request gRPC keeps to send it again; past it the call is never retried.
 # gRPC's default, 256 KiB, is smaller than most logits: a (2, 32000) float32 Sample is 250 KiB.
-# The kept bytes are the request's own slices, referenced, not copied (a 256 MiB request peaked
-# at the same memory with and without it), so the limit is the largest a message may be.
+# The kept bytes are the request's own slices, referenced, not copied (a 256 MiB request sent
+# three times, the server in the same process: peak RSS 1.45 GiB at 256 KiB, 1.49 GiB with this),
+# so the limit is the largest a message may be.
 RETRY_BUFFER_BYTES = 2**31 - 1
 RETRY_BUFFER_OPTION = "grpc.per_rpc_retry_buffer_size"
 # What gRPC's retries are configured by, which the client sets from ``retries``.
@@ -71,9 +72,11 @@ def retry_policy(retries: int) -> dict:
 
 def retried_by_hand(carried) -> frozenset[str]:
     """The RPCs whose retries are the client's, not gRPC's (see the module's docstring);
-    ``carried``: the RPCs a same-host channel carries (none without one)."""
-    carried = frozenset(carried)
-    return frozenset({"Sample"}) | (carried | {"OpenChannel", "CloseChannel"} if carried else carried)
+    ``carried``: the RPCs a same-host channel carries (none without one), whose OpenChannel is
+    made inside their calls."""
+    if not carried:
+        return frozenset({"Sample"})
+    return frozenset(carried) | {"Sample", "OpenChannel"}
 
 
 def _name(rpc: str) -> dict:

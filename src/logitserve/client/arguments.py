@@ -1,5 +1,5 @@
 """The arguments a client is made with that are checked before anything opens (beside
-``retries``, :mod:`.retries`, and ``load_balancing``, :mod:`.balancing`): ``wait_for_ready``, and
+``retries``, :mod:`.retrying`, and ``load_balancing``, :mod:`.balancing`): ``wait_for_ready``, and
 ``channel``, whose same-host channel needs iceoryx2 of the server's release in this process.
 
 A client that cannot run its same-host channel is refused when it is made (ImportError naming
