@@ -1,5 +1,5 @@
-"""Issue 43, items 4 and 5: sequence requests a server must refuse are refused before any work
-is done for them, and none stalls the other connections.
+"""Issue 43, items 4 to 6: sequence requests a server must refuse are refused before any work
+is done for them, none stalls the other connections, and the bytes sequences hold are bounded.
 
 A subprocess server on the CPU; each case times the refused call, reads the server's RSS before
 and after it, and has another connection call GetServerInfo every 20 ms meanwhile (the longest
@@ -22,6 +22,7 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 MIB = 1 << 20
 BIG = [("grpc.max_receive_message_length", 512 * MIB), ("grpc.max_send_message_length", 512 * MIB)]
 MAX_SEQUENCES = 64
+MAX_SEQUENCE_BYTES = 256 * MIB
 # Bounds the fixed server meets with room on this 2-core machine (its figures: about 0.1 s, a
 # few MiB, a stall of tens of ms); the old code was over each by ten times or more.
 REFUSED_WITHIN_S = 3.0
@@ -31,8 +32,8 @@ STALL_S = 1.0
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--max-sequences", str(MAX_SEQUENCES), "--warmup-dtypes", "none", "--busy-poll-us", "0",
-                       "--max-message-bytes", str(256 * MIB)) as server:
+    with ServerProcess("--max-sequences", str(MAX_SEQUENCES), "--max-sequence-bytes", str(MAX_SEQUENCE_BYTES),
+                       "--warmup-dtypes", "none", "--busy-poll-us", "0", "--max-message-bytes", str(256 * MIB)) as server:
         yield server
 
 
@@ -126,3 +127,28 @@ def _packed_ids(count: int) -> bytes:
 def test_a_close_of_millions_of_ids_is_refused_without_walking_them(server):
     code = _refused(server, "CloseSequences", _packed_ids(20_000_000), "CloseSequences of 20 M ids")
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_long_prompts_open_up_to_max_sequence_bytes(server):
+    """Twelve sequences of a 5 M-token prompt (40 MB each on the device): the old code opened all
+    twelve (458 MiB); six fit in 256 MiB, the others are refused before their lists are copied."""
+    prompt = [1] * 5_000_000
+    codes = []
+    with grpc.insecure_channel(server.target, options=BIG) as channel:
+        stub = pb_grpc.LogitServeStub(channel)
+        rss = server.rss_kib() / 1024
+        for i in range(12):
+            request = pb.OpenSequencesRequest(sequences=[pb.SequenceSpec(id=1000 + i, prompt_token_ids=prompt)])
+            try:
+                stub.OpenSequences(request, timeout=120)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+                assert "--max-sequence-bytes 268435456" in exc.details()
+        held = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).stats.sequence_bytes
+        grown = server.rss_kib() / 1024 - rss
+        stub.CloseSequences(pb.CloseSequencesRequest(ids=range(1000, 1012)), timeout=30)
+    print(f"12 opens of 5 M-token prompts, --max-sequence-bytes 256 MiB: {codes.count(grpc.StatusCode.OK)} open "
+          f"({held / MIB:.1f} MiB), {codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)} refused, RSS {grown:+.0f} MiB")
+    assert codes == [grpc.StatusCode.OK] * 6 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
+    assert held == 6 * 8 * len(prompt) <= MAX_SEQUENCE_BYTES

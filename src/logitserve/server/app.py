@@ -39,6 +39,7 @@ from .metrics import Metrics
 from .engine.occupancy import Occupancy
 from .precompile import precompile
 from .regions import RegionRegistry
+from .sequences.bounds import SequenceBounds
 from .sequences.table import SequenceTable
 from .api.servicer import LogitServeServicer, request_parsers
 from .tensors import TORCH_DTYPES
@@ -103,7 +104,8 @@ class Service:
                                       devices=(device.index,) if device.type == "cuda" else (),
                                       pin_system=device.type == "cuda", key_scope=config.resolved_shm_key_scope)
         # Sampling state of every caller's open sequences (server/sequences/table.py), on the device.
-        self.sequences = SequenceTable(config.max_sequences, config.sequence_idle_s, device)
+        self.sequences = SequenceTable(SequenceBounds(config.max_sequences, config.max_sequence_bytes),
+                                       config.sequence_idle_s, device)
         self.metrics = Metrics(device=str(device))
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         try:

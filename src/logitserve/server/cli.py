@@ -138,6 +138,8 @@ FLAGS = (
     ("--max-sequences", int, _D.max_sequences, "sequences (OpenSequences) open at once, all clients together "
      "(0: none)"),
     ("--sequence-idle-s", float, _D.sequence_idle_s, "a sequence no call names for this long is closed (seconds)"),
+    ("--max-sequence-bytes", int, _D.max_sequence_bytes, "bytes the open sequences' buffers hold (lists, outputs' "
+     "room, last answers), all clients together; past it an open, update or output's growth is RESOURCE_EXHAUSTED"),
     ("--channels", _switch, "on" if _D.channels else "off", "same-host channels (OpenChannel): calls through "
      "shared memory (iceoryx2) instead of gRPC (on, off)"),
     ("--max-channels", int, _D.max_channels, "same-host channels open at once, all clients together"),

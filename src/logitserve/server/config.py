@@ -122,6 +122,10 @@ class ServerConfig:
     # device, 8 bytes a token id (prompt, output, bias, banned, stop).
     max_sequences: int = 4096
     sequence_idle_s: float = 600.0
+    # Bytes the open sequences' buffers hold, all callers together (server/sequences/bounds.py):
+    # their lists, their outputs' whole room, their last answers. Past it an open, an update or
+    # an output's growth is RESOURCE_EXHAUSTED.
+    max_sequence_bytes: int = 2 << 30
     # Same-host channels (OpenChannel; server/api/channel/): calls through shared memory (iceoryx2)
     # instead of gRPC. Most open at once, all callers together, and how long one without a call
     # stays open. Off, or without iceoryx2 installed, OpenChannel is FAILED_PRECONDITION.
@@ -159,6 +163,8 @@ class ServerConfig:
             raise ValueError(f"shm_key_scope: must be one of {', '.join(SHM_KEY_SCOPES)}, got {self.shm_key_scope!r}")
         if self.max_sequences < 0:
             raise ValueError(f"max_sequences: must be >= 0 (0: no sequences), got {self.max_sequences}")
+        if self.max_sequence_bytes < 0:
+            raise ValueError(f"max_sequence_bytes: must be >= 0, got {self.max_sequence_bytes}")
         for name in ("sequence_idle_s", "channel_idle_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name}: must be a finite number > 0, got {getattr(self, name)}")

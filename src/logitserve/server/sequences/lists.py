@@ -33,7 +33,7 @@ from logitserve.kernels.sampling.processors import ListTable, append_tokens
 
 from ..ops.resident import on_device, places, unstaged
 from ..ops.sample_processors import logprobs_on_host
-from .table import SequenceState
+from .sequence import SequenceState
 from ..engine.staging import Staging, to_host
 from ..tensors import HostTensor
 

@@ -25,7 +25,8 @@ from logitserve.kernels.sampling.params import (FREQUENCY_PENALTY, MIN_P, MIN_TO
 from logitserve.v1 import logitserve_pb2 as pb
 
 from ..errors import TooLarge
-from .table import Sequence, SequenceParams, SequenceState, SequenceTable
+from .sequence import ID_BYTES, Sequence, SequenceParams, SequenceState
+from .table import SequenceTable
 
 # The parameters a SequenceSpec may set, in the order they are checked.
 _PARAMS = (TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, REPETITION_PENALTY, FREQUENCY_PENALTY, PRESENCE_PENALTY,
@@ -116,6 +117,13 @@ def distinct_ids(items, field) -> list[int]:
     return ids
 
 
+def spec_bytes(spec: pb.SequenceSpec) -> int:
+    """The bytes ``spec``'s sequence will hold once built (its lists: int64 ids, float32 bias
+    values), read off the request before anything is built."""
+    return (ID_BYTES * sum(len(getattr(spec, name)) for name in _LISTS)
+            + np.dtype(np.float32).itemsize * len(spec.logit_bias_values))
+
+
 async def open_specs(table: SequenceTable, specs: list, owner: str | None, max_vocab: int, *,
                      what: str = "OpenSequences", path=lambda i: f"sequences[{i}].",
                      id_field=lambda i: f"sequences[{i}].id") -> list[Sequence]:
@@ -124,13 +132,15 @@ async def open_specs(table: SequenceTable, specs: list, owner: str | None, max_v
     fields and ``id_field(i)`` its id in messages (the KServe front's differ).
 
     What can be refused without building a sequence is, first: too many (before a spec is
-    read), an id twice, an id open already; a request refused there costs no copy."""
+    read), an id twice, an id open already, more bytes than the bounds leave; a request refused
+    there costs no copy."""
     if table.max_sequences == 0:
         raise TooLarge(f"{what}: this server keeps no sequences (--max-sequences 0); send each row's parameters "
                        f"and lists with Sample instead")
-    table.check_room(len(specs), what)
+    table.check_room(owner, len(specs), 0, what)
     ids = distinct_ids(specs, id_field)
     table.check_absent(owner, ids, id_field)
+    table.check_room(owner, len(specs), sum(spec_bytes(spec) for spec in specs), what)
     sequences = await asyncio.to_thread(
         lambda: [sequence_of(spec, path(i), owner, table.device, max_vocab) for i, spec in enumerate(specs)])
     table.open(sequences, id_field, what)

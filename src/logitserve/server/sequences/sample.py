@@ -27,7 +27,8 @@ import torch
 from logitserve.kernels.sampling.params import MIN_TOKENS, PENALTY_PARAMS, RAGGED_LISTS, SAMPLING_PARAMS
 
 from ..regions.servicer import caller
-from .table import Sequence, SequenceState, SequenceTable
+from .sequence import Sequence, SequenceState
+from .table import SequenceTable
 from .lists import StateRows, TableLaunch, lists_of, param_rows
 
 # The SampleRequest fields a sequence's state replaces: with sequence_ids they must be unset.
@@ -106,8 +107,8 @@ class SequenceRows:
             return tokens.tolist(), logprobs
         async with self.table.launch_lock:
             _, rows = self._read_state(call)
-            if any(seq.output_len == seq.output_capacity for seq in self.sequences):
-                await handle.run(self.table.reserve, self.sequences)  # on the launches' stream
+            if any(seq.full for seq in self.sequences):  # on the launches' stream
+                await handle.run(self.table.reserve, self.sequences, self.path + "sequence_ids")
             launch = TableLaunch(call, handle, names, self.sequences, rows)
             key = launch.key()
             if key is not None and (not launch.fixed or handle.graphs.seen_again(key)):
@@ -124,6 +125,7 @@ class SequenceRows:
         sequences' state by ``launch_processed``; then each row's token appended, its step
         advanced. Returns the tokens and logprobs (host tensors, or None)."""
         states, rows = self._read_state(call)
+        self.table.reserve(self.sequences, self.path + "sequence_ids")
         call.processors = {**(call.processors or {}), **self.processors(states, rows, handle.device)}
         tokens, logprobs, _ = launch_processed(call, handle, names)  # no list of a region to check
         if tokens.device.type == "cuda":

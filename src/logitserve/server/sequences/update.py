@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import numpy as np
 import torch
 
 from logitserve.kernels.sampling.params import (FREQUENCY_PENALTY, MIN_P, MIN_TOKENS, PRESENCE_PENALTY,
                                                 REPETITION_PENALTY, SEED, TEMPERATURE, TOP_K, TOP_P)
 from logitserve.v1 import logitserve_pb2 as pb
 
-from .table import SequenceState, SequenceTable
+from .sequence import ID_BYTES, SequenceState
+from .table import SequenceTable
 from .open import check_bias, check_ids, check_param, distinct_ids, max_id
 
 # The parameters an update may set (the step is the sequence's own: kept).
@@ -54,13 +56,23 @@ def _changes(request: pb.UpdateSequencesRequest, device: torch.device, max_vocab
     return [(u.id, _change(u, f"updates[{i}].", device, max_vocab)) for i, u in enumerate(request.updates)]
 
 
+def _replaced(update: pb.SequenceUpdate) -> dict[str, int]:
+    """The bytes of each list ``update`` replaces, by SequenceState attribute, read off the
+    request before anything is built."""
+    sizes = {attr: ID_BYTES * len(getattr(update, name).ids) for name, attr in _LISTS.items() if update.HasField(name)}
+    if update.HasField("logit_bias"):
+        sizes["bias_ids"] = ID_BYTES * len(update.logit_bias.ids)
+        sizes["bias_values"] = np.dtype(np.float32).itemsize * len(update.logit_bias.values)
+    return sizes
+
+
 async def update_sequences(table: SequenceTable, request: pb.UpdateSequencesRequest, owner: str | None,
                            max_vocab: int) -> pb.UpdateSequencesResponse:
     """The UpdateSequences handler's work: refused before any change is built where it can be
-    (more updates than can be open, an id twice, an id not open), checked and copied off the
-    loop, then applied."""
+    (more updates than can be open, an id twice, an id not open, more bytes than the bounds
+    leave), checked and copied off the loop, then applied."""
     table.check_named(len(request.updates), "updates")
     ids = distinct_ids(request.updates, lambda i: f"updates[{i}].id")
-    table.check_found(owner, ids)
+    table.check_update(owner, ids, [_replaced(u) for u in request.updates])
     changes = await asyncio.to_thread(_changes, request, table.device, max_vocab)
     return pb.UpdateSequencesResponse(steps=table.update(owner, changes))

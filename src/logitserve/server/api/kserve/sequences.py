@@ -21,7 +21,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 
 from ...errors import TooLarge
 from ...regions.servicer import caller
-from ...sequences.table import OPEN_FIRST, SequenceExists, SequenceNotFound
+from ...sequences.sequence import OPEN_FIRST, SequenceExists, SequenceNotFound
 from ...sequences.open import open_specs
 from ...sequences.sample import SequenceLookup
 from . import translate
