@@ -5,6 +5,10 @@
         result = client.sample(logits, temperature=0.7, top_p=0.9)   # logits: (batch, vocab)
         result.token_ids, result.seeds, result.valid
 
+A script that starts its server and calls it at once: ``Client(target, wait_for_ready=True,
+timeout=60)``, whose calls wait for the server to listen (by default a call to a server that
+cannot be reached fails UNAVAILABLE once its retries are spent, in about 0.35 s).
+
 ``AsyncClient`` takes the same arguments for asyncio. Shared-memory regions (tensors that cross
 without being copied into messages): ``client.register`` / ``register_system`` / ``register_cuda``
 / ``shared_memory_status`` / ``unregister`` / ``reconcile_regions``, with the helpers of
