@@ -98,13 +98,17 @@ class Service:
             self.handle = DeviceHandle(config.resolved_device, config.backend, config.cuda_graphs)
         except Exception as exc:  # noqa: BLE001 - whatever torch raises for a device it cannot use
             raise StartupError(f"--device {config.resolved_device}: cannot use it ({type(exc).__name__}: {exc})") from exc
-        # Shared-memory regions of every client; CUDA ones only on this server's device.
+        # Shared-memory regions of every client; CUDA ones only on this server's device. With
+        # tokens on, each token holds at most its --token-share of every bound (server/tenancy.py).
         device = self.handle.device
+        tokens_on = config.auth_token_file is not None
         self.regions = RegionRegistry(config.max_regions, config.max_region_bytes,
                                       devices=(device.index,) if device.type == "cuda" else (),
-                                      pin_system=device.type == "cuda", key_scope=config.resolved_shm_key_scope)
+                                      pin_system=device.type == "cuda", key_scope=config.resolved_shm_key_scope,
+                                      share=config.token_share, tokens_on=tokens_on)
         # Sampling state of every caller's open sequences (server/sequences/table.py), on the device.
-        self.sequences = SequenceTable(SequenceBounds(config.max_sequences, config.max_sequence_bytes),
+        self.sequences = SequenceTable(SequenceBounds(config.max_sequences, config.max_sequence_bytes,
+                                                      config.token_share, tokens_on),
                                        config.sequence_idle_s, device)
         self.metrics = Metrics(device=str(device))
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
@@ -120,7 +124,9 @@ class Service:
                                metrics=self.metrics, calls_in_server=lambda: self.occupancy.calls,
                                on_failure=self._after_failed_launch)
         self.metrics.queue_depth.set_function(lambda: self.batcher.queue_depth)
-        self.held = HeldAnswers(config.max_held_answer_bytes, config.max_held_answer_bytes_per_connection)
+        self.held = HeldAnswers(config.max_held_answer_bytes, config.max_held_answer_bytes_per_connection,
+                                config.token_share, tokens_on)
+        self.metrics.watch_holdings(self.sequences.holdings, self.regions.holdings, self.held.holdings)
         self.health = health.aio.HealthServicer()
         self.draining = False
         self.device_lost = False

@@ -10,11 +10,45 @@ says whose they are.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 # Seconds: 50 us (a warm in-process call) to 10 s (a cold compile or a long queue).
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 10)
 # Powers of two up to the largest --max-batch-rows anyone would set.
 SIZE_BUCKETS = tuple(2.0**i for i in range(13))
+# What callers hold on the server, read at each scrape from the state that holds it: all callers
+# together as logitserve_<name>, and by owner as logitserve_<name>_by_owner{owner}, the owner
+# being server/regions/names.py owner_of's digest of the bearer token ("" without one), never
+# the token itself. GetServerInfo answers each caller its own figures only.
+HOLDINGS = {
+    "open_sequences": "Sequences open (OpenSequences; --max-sequences)",
+    "sequence_bytes": "Bytes the open sequences' buffers hold (--max-sequence-bytes)",
+    "regions": "Shared-memory regions mapped (--max-regions)",
+    "region_bytes": "Bytes of shared-memory regions mapped (--max-region-bytes)",
+    "held_answer_bytes": "Bytes of answers held for unfinished calls (--max-held-answer-bytes)",
+}
+
+
+class _Holdings:
+    """The HOLDINGS gauges, from ``sources``: functions answering {owner: {name: value}}."""
+
+    def __init__(self, sources):
+        self.sources = sources
+
+    def collect(self):
+        by_owner = {name: {} for name in HOLDINGS}
+        for read in self.sources:
+            for owner, held in read().items():
+                for name, value in held.items():
+                    by_owner[name][owner or ""] = value
+        for name, doc in HOLDINGS.items():
+            yield GaugeMetricFamily(f"logitserve_{name}", f"{doc}, all callers together",
+                                    value=sum(by_owner[name].values()))
+            family = GaugeMetricFamily(f"logitserve_{name}_by_owner", f"{doc}, by owner (a digest of the bearer "
+                                       f"token)", labels=["owner"])
+            for owner, value in sorted(by_owner[name].items()):
+                family.add_metric([owner], value)
+            yield family
 
 
 class Metrics:
@@ -44,6 +78,11 @@ class Metrics:
         # Labelled children by label value: ``labels()`` costs a lock and a lookup per call.
         self._per_rpc: dict[str, tuple] = {}
         self._per_op: dict[str, tuple] = {}
+
+    def watch_holdings(self, *sources) -> None:
+        """Serve the HOLDINGS gauges, read from ``sources`` (functions answering {owner: {name:
+        value}}: the sequences', regions' and held answers' ``holdings``) at each scrape."""
+        self.registry.register(_Holdings(sources))
 
     def observe_batch(self, op: str, *, rows: int, requests: int, queue_seconds: list[float]) -> None:
         """One launch of ``op``: its rows, its calls, and how long each of them waited."""

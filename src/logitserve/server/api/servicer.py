@@ -153,7 +153,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             if held is None:
                 self._service.held.hold_until_done(context, step.answer_size)
             else:
-                held.append(self._service.held.hold(context.peer() or "", step.answer_size))
+                held.append(self._service.held.hold(context, step.answer_size))
             timeout = context.time_remaining()
             submits = {name: self._service.batcher.submit(call, timeout=timeout) for name, call in step.calls.items()}
             return ops.StepResult(step.id, await _all(submits)).to_pb()

@@ -10,6 +10,7 @@ import threading
 from typing import Iterable, Sequence
 
 from ..errors import TooLarge
+from ..tenancy import per_token_bound
 from .cuda import open_cuda
 from .names import (CUDA_IPC_HANDLE_BYTES, DEFAULT_MAX_MAPPED_BYTES, DEFAULT_MAX_REGIONS, KEY_SCOPE_ANY, KEY_SCOPES,
                     SHM_DIR, SYSTEM, RegionExists, RegionNotFound, kinds_of, shown, check_key, check_key_scope,
@@ -42,11 +43,14 @@ class RegionRegistry:
     system's POSIX shared-memory objects are; ``pin_system`` page-locks each system region at
     registration (a CUDA server: server/regions/pinning.py); ``key_scope`` is which objects an
     owner may map (names.KEY_SCOPES: "token" confines each owner to keys with its own prefix).
+    ``share`` with ``tokens_on`` (bearer tokens on: each owner a token) bounds each owner to its
+    share of both limits (server/tenancy.py ``per_token_bound``): no token can take every region
+    and lock the others out. Without tokens every owner is one identity and the limits alone apply.
     """
 
     def __init__(self, max_regions: int = DEFAULT_MAX_REGIONS, max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES,
                  *, devices: Iterable[int] | None = None, shm_dir: str = SHM_DIR, pin_system: bool = False,
-                 key_scope: str = KEY_SCOPE_ANY):
+                 key_scope: str = KEY_SCOPE_ANY, share: float = 1.0, tokens_on: bool = False):
         if max_regions < 0 or max_mapped_bytes < 0:
             raise ValueError("max_regions and max_mapped_bytes must be >= 0")
         if key_scope not in KEY_SCOPES:
@@ -54,6 +58,9 @@ class RegionRegistry:
         self.key_scope = key_scope
         self.max_regions = max_regions
         self.max_mapped_bytes = max_mapped_bytes
+        self.share = share
+        self.owner_max_regions = per_token_bound(max_regions, share, tokens_on)
+        self.owner_max_bytes = per_token_bound(max_mapped_bytes, share, tokens_on)
         self.devices = None if devices is None else frozenset(devices)
         self.shm_dir = shm_dir
         self.pin_system = pin_system
@@ -62,6 +69,7 @@ class RegionRegistry:
         self._reserved: set[tuple[object, str]] = set()  # names being registered (CUDA opens unlocked)
         self._mapped_count = 0  # regions mapped or being mapped, registered or not
         self._mapped_bytes = 0
+        self._owners: dict[object, list[int]] = {}  # owner -> [regions, bytes] mapped, owners mapping some
 
     # ------------------------------------------------------------------------------ counters
 
@@ -73,6 +81,21 @@ class RegionRegistry:
     @property
     def mapped_bytes(self) -> int:
         return self._mapped_bytes
+
+    def holdings(self) -> dict:
+        """Each owner mapping some regions -> {"regions": n, "region_bytes": b} (/metrics)."""
+        with self._lock:
+            return {owner: {"regions": n, "region_bytes": b} for owner, (n, b) in self._owners.items()}
+
+    def _count(self, owner, regions: int, nbytes: int) -> None:
+        """Under the lock: ``regions`` and ``nbytes`` more (fewer, when negative) mapped for ``owner``."""
+        held = self._owners.setdefault(owner, [0, 0])
+        held[0] += regions
+        held[1] += nbytes
+        self._mapped_count += regions
+        self._mapped_bytes += nbytes
+        if held == [0, 0]:
+            del self._owners[owner]
 
     # ---------------------------------------------------------------------------- registering
 
@@ -87,19 +110,26 @@ class RegionRegistry:
         if self._mapped_bytes + nbytes > self.max_mapped_bytes:
             raise TooLarge(f"byte_size: registering {name!r} would map {self._mapped_bytes + nbytes} bytes, over "
                            f"the server's limit of {self.max_mapped_bytes} ({self._mapped_bytes} mapped now)")
+        regions, nbytes_held = self._owners.get(owner, (0, 0))
+        if regions + 1 > self.owner_max_regions:
+            raise TooLarge(f"name: registering {name!r} would map {regions + 1} regions for this token, over its "
+                           f"share of the server's limit (--token-share {self.share} of {self.max_regions}: "
+                           f"{self.owner_max_regions}); unregister some first")
+        if nbytes_held + nbytes > self.owner_max_bytes:
+            raise TooLarge(f"byte_size: registering {name!r} would map {nbytes_held + nbytes} bytes for this token, "
+                           f"over its share of the server's limit (--token-share {self.share} of "
+                           f"{self.max_mapped_bytes}: {self.owner_max_bytes}; {nbytes_held} mapped now)")
         self._reserved.add(key)
-        self._mapped_count += 1
-        self._mapped_bytes += nbytes
+        self._count(owner, 1, nbytes)
 
     def _unreserve(self, owner, name: str, nbytes: int) -> None:
         self._reserved.discard((owner, name))
-        self._mapped_count -= 1
-        self._mapped_bytes -= nbytes
+        self._count(owner, -1, -nbytes)
 
     def _commit(self, region: Region, reserved_bytes: int) -> RegionInfo:
         with self._lock:
             self._reserved.discard((region.owner, region.name))
-            self._mapped_bytes += region.mapped_bytes - reserved_bytes
+            self._count(region.owner, 0, region.mapped_bytes - reserved_bytes)
             self._regions[(region.owner, region.name)] = region
             return region.info()
 
@@ -215,8 +245,7 @@ class RegionRegistry:
     def _forget(self, regions: Sequence[Region]) -> None:
         """Take ``regions`` off the counters (under the lock), before closing them."""
         for region in regions:
-            self._mapped_count -= 1
-            self._mapped_bytes -= region.mapped_bytes
+            self._count(region.owner, -1, -region.mapped_bytes)
 
     # ---------------------------------------------------------------------------- resolving
 

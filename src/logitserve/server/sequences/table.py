@@ -258,6 +258,11 @@ class SequenceTable:
                 seq.appended(token)
             seq.step += 1
 
+    def holdings(self) -> dict:
+        """Each owner holding sequences -> {"open_sequences": n, "sequence_bytes": b} (/metrics)."""
+        with self._lock:
+            return self.bounds.holdings()
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             self._sweep(self.clock())

@@ -198,7 +198,7 @@ class InferenceServicer(kpb_grpc.GRPCInferenceServiceServicer):
                 if held is None:
                     service.held.hold_until_done(context, call.answer_size)
                 else:
-                    held.append(service.held.hold(context.peer() or "", call.answer_size))
+                    held.append(service.held.hold(context, call.answer_size))
                 result = await service.batcher.submit(call, timeout=context.time_remaining())
                 # Builds the answer (writing outputs into system regions) before the leases go.
                 response = translate.to_kserve(model, request.id, result.to_pb(), job.outputs, response)
