@@ -66,13 +66,13 @@ def run(argv: list, what: str, timeout: float = 600) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory) -> pathlib.Path:
-    """A copy of what the build reads (pyproject.toml, README.md and the package folders), so the
-    build writes nothing into the working tree."""
+    """A copy of what the build reads (pyproject.toml, README.md and the folders setuptools finds
+    the packages in), so the build writes nothing into the working tree."""
     dest = tmp_path_factory.mktemp("checkout") / "logitserve"
     dest.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
-    for top in sorted({folder.split("/")[0] for folder in PROJECT["tool"]["setuptools"]["package-dir"].values()}):
+    for top in PROJECT["tool"]["setuptools"]["packages"]["find"]["where"]:
         shutil.copytree(ROOT / top, dest / top, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
