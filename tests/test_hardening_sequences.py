@@ -1,5 +1,6 @@
-"""Issue 43, items 4 to 6: sequence requests a server must refuse are refused before any work
-is done for them, none stalls the other connections, and the bytes sequences hold are bounded.
+"""Issue 43, items 4 to 6 and 11: sequence requests a server must refuse are refused before any
+work is done for them, none stalls the other connections, the bytes sequences hold are bounded,
+and idle sequences leave memory while nobody calls.
 
 A subprocess server on the CPU; each case times the refused call, reads the server's RSS before
 and after it, and has another connection call GetServerInfo every 20 ms meanwhile (the longest
@@ -152,3 +153,22 @@ def test_long_prompts_open_up_to_max_sequence_bytes(server):
           f"({held / MIB:.1f} MiB), {codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)} refused, RSS {grown:+.0f} MiB")
     assert codes == [grpc.StatusCode.OK] * 6 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
     assert held == 6 * 8 * len(prompt) <= MAX_SEQUENCE_BYTES
+
+
+def test_idle_sequences_leave_memory_while_nobody_calls():
+    """Four 6 M-token prompts (183 MiB), idle for 2 s, then nobody calls for 5 s: the old code
+    kept them resident until the next call swept them."""
+    with ServerProcess("--sequence-idle-s", "2", "--warmup-dtypes", "none", "--busy-poll-us", "0",
+                       env={"MALLOC_MMAP_THRESHOLD_": str(MIB)}) as server, \
+            grpc.insecure_channel(server.target, options=BIG) as channel:
+        stub = pb_grpc.LogitServeStub(channel)
+        rss = server.rss_kib() / 1024
+        for i in range(4):
+            spec = pb.SequenceSpec(id=i, prompt_token_ids=[1] * 6_000_000)
+            stub.OpenSequences(pb.OpenSequencesRequest(sequences=[spec]), timeout=120)
+        held = server.rss_kib() / 1024 - rss
+        time.sleep(2 + 0.5 + 5)  # idle time, the sweep's period (a quarter of it), then nobody calls
+        idle = server.rss_kib() / 1024 - rss
+    print(f"4 sequences of 6 M tokens, --sequence-idle-s 2: RSS {held:+.0f} MiB open, {idle:+.0f} MiB 5 s after "
+          f"their idle time with no call")
+    assert idle < GROWTH_MIB, f"RSS still {idle:+.0f} MiB with every sequence expired"

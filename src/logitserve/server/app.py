@@ -184,6 +184,7 @@ class Service:
         self.batcher.start()
         await self.server.start()
         self.channels.start()
+        self.sequences.start_sweeping()  # idle sequences freed even while nobody calls
         if self.config.metrics_port:
             try:
                 self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
@@ -249,6 +250,7 @@ class Service:
             while self.guard.running and loop.time() < end:
                 await asyncio.sleep(0.01)
         await self.channels.stop()
+        self.sequences.stop_sweeping()
         await self.server.stop(0)
         end = loop.time() + STOP_LAUNCH_S
 

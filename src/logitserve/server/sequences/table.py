@@ -18,8 +18,9 @@ Bytes. Every change is checked against the bounds before it is made: an open and
 the bytes their lists will hold (computed from the request before anything is built, and again
 from what was built), an output's growth before the launch that needs the room (:meth:`reserve`).
 
-Idle expiry is swept on every table operation (the dict is ordered by last use, so a sweep
-looks only at the expired).
+Idle expiry is swept on every table operation and by a timer (:meth:`start_sweeping`), so a
+server nobody calls frees its idle sequences too; the dict is ordered by last use, so a sweep
+looks only at the expired.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import TooLarge
+from ..logs import get_logger, log_event
 from .bounds import SequenceBounds
 from .sequence import ID_BYTES, OPEN_FIRST, Sequence, SequenceExists, SequenceNotFound, not_open
+
+log = get_logger("sequences")
 
 
 @dataclass(eq=False)
@@ -52,6 +56,7 @@ class SequenceTable:
     # Held by a Sample by sequence ids on the Triton kernels from the reading of its sequences'
     # state to the count of its tokens (sequences/lists.py): one at a time stores tokens.
     launch_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    _sweeper: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
     def max_sequences(self) -> int:
@@ -65,6 +70,29 @@ class SequenceTable:
                 return
             self._end(key, "expired")
             self.expired += 1
+
+    def start_sweeping(self) -> None:
+        """On the running loop: close the idle sequences every quarter of ``idle_s`` (at most a
+        minute), calls or none, so that a sequence nobody names is freed at most that long
+        after its idle time (as the channels' sweep does: server/api/channel/service.py)."""
+        every = min(self.idle_s / 4, 60.0)
+        loop = asyncio.get_running_loop()
+
+        def sweep() -> None:
+            with self._lock:
+                before = self.expired
+                self._sweep(self.clock())
+                closed = self.expired - before
+            if closed:
+                log_event(log, "idle sequences closed", closed=closed, open=self.bounds.total.sequences)
+            self._sweeper = loop.call_later(every, sweep)
+
+        self._sweeper = loop.call_later(every, sweep)
+
+    def stop_sweeping(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
 
     def _end(self, key, why: str) -> Sequence:
         seq = self._open.pop(key)

@@ -1,0 +1,29 @@
+"""Issue 43 on the sequences a server keeps, through in-process CPU servers (torch backend).
+
+Item 11: an idle sequence is freed by the table's timer, not at the next table operation (the
+old code kept 183 MiB of expired sequences until some later call).
+"""
+
+from __future__ import annotations
+
+import time
+
+from logitserve.client import Client
+from logitserve.server import ServerConfig
+from logitserve.server.testing import ServerThread
+
+
+def _config(**changes) -> ServerConfig:
+    return ServerConfig(**{"host": "127.0.0.1", "port": 0, "device": "cpu", "backend": "torch", "warmup_dtypes": (),
+                           "busy_poll_us": 0, **changes})
+
+
+def test_an_idle_sequence_is_freed_while_nobody_calls():
+    with ServerThread(_config(sequence_idle_s=0.4)) as s, Client(s.target, timeout=30) as c:
+        c.open_sequences([{"id": 1, "prompt_token_ids": [1] * 100_000}])
+        table = s.service.sequences
+        assert table.bounds.total.bytes == 800_000
+        deadline = time.monotonic() + 10
+        while table.expired == 0 and time.monotonic() < deadline:  # reading the counters sweeps nothing
+            time.sleep(0.05)
+        assert table.expired == 1 and table.bounds.total.sequences == 0 and table.bounds.total.bytes == 0
