@@ -276,7 +276,10 @@ class Service:
         if self.tokens is not None:
             self.tokens.reload()
 
-    def info(self) -> ops.ServerInfo:
+    def info(self, owner: str | None = None) -> ops.ServerInfo:
+        """GetServerInfo's answer for a caller of ``owner`` (server/regions/names.py owner_of):
+        the server's own figures, and of the sequences only the caller's (all callers' are in
+        /metrics)."""
         c = self.config
         return ops.ServerInfo(
             version=self.version, device=str(self.handle.device), device_name=self.handle.name,
@@ -286,7 +289,7 @@ class Service:
                         max_sequences=c.max_sequences, sequence_idle_s=c.sequence_idle_s),
             stats=dict(launches=self.batcher.launches, batched_requests=self.batcher.batched_requests,
                        queue_depth=self.batcher.queue_depth, plan_cache_size=self.handle.plan_cache_size,
-                       **self.sequences.stats()),
+                       **self.sequences.stats(owner)),
             device_endpoints=c.endpoints)
 
 

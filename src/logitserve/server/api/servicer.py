@@ -188,7 +188,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                                       self._service.config.max_vocab)
 
     async def GetServerInfo(self, request, context):
-        return self._service.info().to_pb()
+        return self._service.info(caller(context)).to_pb()
 
     async def OpenChannel(self, request, context):
         return self._service.channels.open(authorization_of(context.invocation_metadata() or ()))

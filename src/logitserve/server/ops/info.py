@@ -13,7 +13,10 @@ from ..tensors import FLOATS, PB_DTYPES
 
 @dataclass
 class ServerInfo:
-    """What GetServerInfo answers: the server's version, device, backend, dtypes, limits, counters."""
+    """What GetServerInfo answers: the server's version, device, backend, dtypes, limits, counters.
+    The sequences' counters (``stats``' ``open_sequences``, ``sequence_bytes``) are the calling
+    caller's alone: another token's sequences are none of its business (all callers' figures are
+    in /metrics)."""
 
     version: str
     device: str

@@ -291,7 +291,10 @@ class SequenceTable:
         with self._lock:
             return self.bounds.holdings()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self, owner: str | None = None) -> dict[str, int]:
+        """``owner``'s open sequences and their bytes (None: a caller without a token). What
+        GetServerInfo answers a caller: its own figures only; everyone's are in /metrics."""
         with self._lock:
             self._sweep(self.clock())
-            return {"open_sequences": self.bounds.total.sequences, "sequence_bytes": self.bounds.total.bytes}
+            held = self.bounds.holding(owner)
+            return {"open_sequences": held.sequences, "sequence_bytes": held.bytes}
