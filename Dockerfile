@@ -105,11 +105,14 @@ WORKDIR /home/logitserve
 # gRPC (LogitServe, grpc.health.v1, reflection).
 EXPOSE 50051
 
-# Asks grpc.health.v1 on the port the server was started with (read from PID 1's --port
-# flag, else LOGITSERVE_PORT, else 50051) and passes only on SERVING: NOT_SERVING lasts
-# through warm-up and draining. Run as a file (logitserve/server/healthcheck.py, linked
-# above), not with -m: importing the package would import torch, seconds per probe.
-# Docker-format images only (podman build --format docker).
+# Asks grpc.health.v1 on the port the server reads from LOGITSERVE_PORT (else 50051), over TLS
+# trusting the server's own certificate where LOGITSERVE_TLS_CERT is set, and passes only on
+# SERVING: NOT_SERVING lasts through warm-up and draining. A server on another port: set
+# LOGITSERVE_PORT (server and probe both read it) rather than --port. Under mutual TLS, or
+# with a certificate that does not name 127.0.0.1, give the probe its arguments
+# (--client-cert/--client-key, --server-name: python -m logitserve.server.healthcheck --help)
+# in a HEALTHCHECK of your own. It imports grpc and no torch (logitserve/server/healthcheck.py,
+# linked above). Docker-format images only (podman build --format docker).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "/opt/logitserve/healthcheck.py"]
 

@@ -47,6 +47,7 @@ from logitserve.client import Client
 from logitserve.client.regions import shared_tensor
 
 TRANSPORTS = ("auto", "bytes", "shm", "cuda")
+TINY_VOCAB = 256  # tiny_llama's vocabulary: --tiny's prompts are token ids below it
 
 
 @dataclass
@@ -278,7 +279,7 @@ def decode(model, client: Client, prompts: Sequence[Sequence[int]], options: Dec
                         rows_state.seeds, channel.transport, time.perf_counter() - started, in_logitserve)
 
 
-def tiny_llama(vocab_size: int = 256, seed: int = 0, dtype: torch.dtype = torch.float32):
+def tiny_llama(vocab_size: int = TINY_VOCAB, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A 2-layer Llama with random weights (no download): the stand-in for a checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -290,7 +291,43 @@ def tiny_llama(vocab_size: int = 256, seed: int = 0, dtype: torch.dtype = torch.
 
 
 def _ids(text: str) -> list[int]:
-    return [int(t) for t in text.split(",") if t.strip()]
+    """Comma-separated token ids (``--bad-words``, ``--eos``, ``--prompt`` with ``--tiny``)."""
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        ids = None
+    if ids is None or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be comma-separated token ids (integers >= 0: 1,2,3)")
+    return ids
+
+
+def _bias(text: str) -> tuple[int, float]:
+    """``--bias TOKEN=VALUE``: a token id and the number added to its logit."""
+    token, _, value = text.partition("=")
+    try:
+        pair = int(token), float(value)
+    except ValueError:
+        pair = None
+    if pair is None or pair[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be TOKEN=VALUE, a token id and a number (42=-1.5)")
+    return pair
+
+
+def _tiny_prompts(parser: argparse.ArgumentParser, prompts: list[str]) -> list[list[int]]:
+    """``--prompt`` with ``--tiny``: token ids of the tiny model's vocabulary, at least one each (text
+    needs ``--model``'s tokenizer); a usage error naming the prompt and the rule otherwise."""
+    rule = (f"with --tiny, a prompt is token ids from 0 to {TINY_VOCAB - 1}, comma-separated (1,2,3); text "
+            f"needs --model")
+    ids = []
+    for text in prompts:
+        try:
+            row = _ids(text)
+        except argparse.ArgumentTypeError:
+            row = []
+        if not row or max(row) >= TINY_VOCAB:
+            parser.error(f"argument --prompt: {text!r}: {rule}")
+        ids.append(row)
+    return ids
 
 
 def _arguments(argv=None) -> argparse.Namespace:
@@ -311,12 +348,16 @@ def _arguments(argv=None) -> argparse.Namespace:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--bad-words", type=_ids, default=[], help="banned token ids, comma-separated")
     p.add_argument("--min-new-tokens", type=int, default=0)
-    p.add_argument("--bias", action="append", default=[], help="TOKEN=VALUE added to a token's logit (repeat)")
+    p.add_argument("--bias", type=_bias, action="append", default=[],
+                   help="TOKEN=VALUE added to a token's logit (repeat)")
     p.add_argument("--eos", type=_ids, help="eos token ids (default: the model's)")
     p.add_argument("--logprobs", type=int)
     p.add_argument("--stateless", action="store_true", help="send every row's state each step (no sequences)")
     p.add_argument("--transport", default="auto", choices=TRANSPORTS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tiny:  # what --prompt holds depends on --tiny: token ids here, text for --model's tokenizer
+        args.prompt = _tiny_prompts(p, args.prompt)
+    return args
 
 
 def main(argv=None) -> None:
@@ -325,7 +366,7 @@ def main(argv=None) -> None:
     tokenizer = None
     if args.tiny:
         model = tiny_llama(dtype=dtype).to(args.device)
-        prompts = [_ids(p) for p in args.prompt]
+        prompts = args.prompt  # token ids (_arguments)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -336,8 +377,7 @@ def main(argv=None) -> None:
     options = DecodeOptions(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, repetition_penalty=args.repetition_penalty, bad_words_ids=args.bad_words,
-        min_new_tokens=args.min_new_tokens, sequence_bias={int(k): float(v) for k, v in
-                                                          (b.split("=") for b in args.bias)},
+        min_new_tokens=args.min_new_tokens, sequence_bias=dict(args.bias),
         eos_token_id=args.eos if args.eos is not None else config.eos_token_id, logprobs=args.logprobs,
         use_sequences=not args.stateless, transport=args.transport)
     eos_ids = options.eos_ids()

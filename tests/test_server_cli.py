@@ -22,7 +22,7 @@ import pytest
 from logitserve.client import Client, LogitServeError
 from logitserve.server import ServerConfig
 from logitserve.server import cli
-from logitserve.server.cli import FLAGS, build_parser, env_name, main
+from logitserve.server.cli import FLAGS, build_parsers, env_name, main
 
 
 def parse(argv, environ=None) -> ServerConfig:
@@ -35,7 +35,7 @@ def test_every_config_field_has_a_flag_and_a_variable():
     flags = {flag.lstrip("-").replace("-", "_") for flag, *_ in FLAGS}
     assert flags == {f.name for f in dataclasses.fields(ServerConfig)}
     assert env_name("--max-delay-us") == "LOGITSERVE_MAX_DELAY_US"
-    text = build_parser({})._subparsers._group_actions[0].choices["serve"].format_help()
+    text = build_parsers({})[1].format_help()
     for flag, *_ in FLAGS:
         assert flag in text and env_name(flag) in text
 
@@ -43,6 +43,8 @@ def test_every_config_field_has_a_flag_and_a_variable():
 def test_defaults():
     c = parse([])
     assert c == ServerConfig(device="cpu")  # no GPU here: the default device is the CPU
+    # main leaves the device to the server (ServerConfig.resolved_device): torch is not imported yet
+    assert cli.parse(["serve"], {}, resolve_device=False)[1] == ServerConfig()
     assert c.port == 50051 and c.backend == "auto" and c.metrics_port == 0
     assert c.busy_poll_us == 2000  # polls while a lone client calls (server/engine/busy_poll.py)
 

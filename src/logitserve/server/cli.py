@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import logging
 import os
 import re
 import signal
 import sys
+from typing import NoReturn
 
 from .engine.busy_poll import event_loop_factory
-from .config import FLOAT_DTYPE_NAMES, LOG_LEVELS, ServerConfig, default_device
+from .config import LOG_LEVELS, ServerConfig, default_device
 from .logs import WORKER_ENV, configure, get_logger, log_event
 from .version import __version__
 
@@ -33,16 +35,6 @@ def _warn_if_open(config: ServerConfig) -> None:
         log_event(log, "serving without TLS or tokens on a non-loopback address", level=logging.WARNING,
                   host=config.host, port=config.port,
                   fix="--auth-token-file and --tls-cert/--tls-key, or --host 127.0.0.1 behind a proxy")
-
-
-def _dtype_list(text: str) -> tuple[str, ...]:
-    if text.strip().lower() in ("", "none"):
-        return ()
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [n for n in names if n not in FLOAT_DTYPE_NAMES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"{unknown} not in {', '.join(FLOAT_DTYPE_NAMES)}")
-    return names
 
 
 def _width_list(text: str) -> tuple[int, ...] | None:
@@ -64,7 +56,8 @@ def _auto_int(text: str) -> int | None:
 
 
 def _name_list(text: str) -> tuple[str, ...]:
-    """Comma-separated entries (``--devices``, ``--device-endpoints``); "none" or "" for none."""
+    """Comma-separated entries (``--devices``, ``--warmup-dtypes``); "none" or "" for none. Which
+    entries are valid is ServerConfig's rule, named by its error."""
     if text.strip().lower() in ("", "none"):
         return ()
     return tuple(s.strip() for s in text.split(",") if s.strip())
@@ -84,26 +77,31 @@ def _switch(text: str) -> bool:
 _D = ServerConfig()
 FLAGS = (
     ("--host", str, _D.host, "address to listen on"),
-    ("--port", int, _D.port, "port to listen on (0 picks a free one)"),
-    ("--device", str, None, "torch device: cuda:N or cpu (default: cuda:0 where torch sees a GPU, else cpu)"),
+    ("--port", int, _D.port, "port to listen on (0 picks a free one; the listening log line says which)"),
+    ("--device", str, None, "the torch device the kernels run on: cuda:N or cpu (unset: cuda:0 where torch sees a "
+     "GPU, else cpu)"),
     ("--devices", _name_list, "none", "one server process per GPU: all (every GPU torch sees) or cuda:0,cuda:1,...; "
-     "the process of the i-th listens on --port + i (--port 0: free ports), metrics on --metrics-port + i, and "
-     "GetServerInfo lists them all (none: one process, on --device)"),
+     "the i-th listens on --port + i (--port 0: free ports) and serves metrics on --metrics-port + i; GetServerInfo "
+     "lists every process, and the Python client sends each call to the process of its tensors' GPU. Not with "
+     "--device or --workers > 1 (none: one process, on --device)"),
     ("--device-endpoints", _name_list, "none", "internal, set by --devices for its processes: every device's "
      "process as device=host:port,... (GetServerInfo's device_endpoints)"),
     ("--backend", str, _D.backend, "kernel backend: auto (triton on CUDA, torch on CPU), triton, interpret, torch"),
-    ("--cuda-graphs", _switch, "on" if _D.cuda_graphs else "off",
-     "replay Sample and RouteExperts launches from CUDA graphs (on, off)"),
+    ("--cuda-graphs", _switch, "on" if _D.cuda_graphs else "off", "replay Sample and RouteExperts launches from CUDA "
+     "graphs, one per power-of-two batch size (CUDA with triton; off: launch eagerly)"),
     ("--max-batch-rows", int, _D.max_batch_rows, "most rows the batcher puts into one launch"),
-    ("--max-delay-us", int, _D.max_delay_us, "longest a call waits for others while the device is idle (us; 0: launch at once)"),
-    ("--max-queue", int, _D.max_queue, "calls waiting for a launch before new ones get RESOURCE_EXHAUSTED"),
-    ("--max-message-bytes", int, _D.max_message_bytes, "largest request or response message"),
+    ("--max-delay-us", int, _D.max_delay_us, "longest a call waits for others to join its launch while the device "
+     "is idle (us; 0: launch at once)"),
+    ("--max-queue", int, _D.max_queue, "calls waiting for a launch; past it, new ones get RESOURCE_EXHAUSTED at "
+     "once"),
+    ("--max-message-bytes", int, _D.max_message_bytes, "largest request or response message (gRPC's own limit: "
+     "RESOURCE_EXHAUSTED past it; at most 2147483647)"),
     ("--max-vocab", int, _D.max_vocab, "widest row (vocabulary, experts, softmax width) in a request"),
     ("--max-rows", int, _D.max_rows, "most rows in a request"),
-    ("--warmup-dtypes", _dtype_list, ",".join(_D.warmup_dtypes),
-     "comma-separated dtypes compiled before SERVING ('none' for none)"),
+    ("--warmup-dtypes", _name_list, ",".join(_D.warmup_dtypes), "comma-separated dtypes whose kernels are compiled "
+     "before SERVING (none for none)"),
     ("--warmup-widths", _width_list, "auto", "comma-separated row widths (vocabularies) compiled before SERVING "
-     "(auto: 32000,128256,151936 with triton, 64 otherwise)"),
+     "(auto: 32000,128256,151936 with triton, 64 otherwise); a width not warmed compiles during its first calls"),
     ("--compile-processes", _auto_int, "auto", "processes compiling warm-up's kernels side by side before SERVING "
      "(auto: one per dtype and width, a core left over; 0: the server alone)"),
     ("--compile-cache-dir", str, None, "Triton's compiled-kernel cache (TRITON_CACHE_DIR; default ~/.triton/cache): "
@@ -111,48 +109,74 @@ FLAGS = (
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key of --tls-cert"),
     ("--tls-client-ca", str, None, "PEM CA bundle: require client certificates it signed (mutual TLS)"),
-    ("--auth-token-file", str, None, "file of bearer tokens, one per line (re-read on SIGHUP)"),
-    ("--workers", int, _D.workers, "server processes sharing the port, each with its own event loop, batcher and "
-     "CUDA context"),
+    ("--auth-token-file", str, None, "file of bearer tokens, one per line (# comments; re-read on SIGHUP): every RPC "
+     "but health needs the header authorization: Bearer TOKEN"),
+    ("--workers", int, _D.workers, "server processes sharing the port (SO_REUSEPORT), each with its own event loop, "
+     "batcher and CUDA context; one Python process's event loop is the service's limit (docs/PERFORMANCE.md)"),
     ("--reuse-port", _switch, "on" if _D.reuse_port else "off",
      "let other processes bind the same port (set by --workers for its processes)"),
-    ("--metrics-port", int, _D.metrics_port, "Prometheus /metrics port, worker i on this port + i (0: off)"),
+    ("--metrics-port", int, _D.metrics_port, "Prometheus /metrics port, worker i of --workers on this port + i (0: "
+     "off): requests, failures by code, latency and queue-time histograms, rows and calls per launch, launches, "
+     "queue depth, cached plans, the device (logitserve_device_info{device})"),
     ("--metrics-host", str, _D.metrics_host, "address /metrics listens on (no token needed there: loopback "
      "unless a scraper elsewhere needs it)"),
-    ("--busy-poll-us", int, _D.busy_poll_us, "how long the event loop polls for the next call before it sleeps "
-     "(us; 0: it sleeps at once)"),
-    ("--max-regions", int, _D.max_regions, "shared-memory regions mapped at once, all clients together "
-     "(0: none)"),
+    ("--busy-poll-us", int, _D.busy_poll_us, "how long the event loop polls for the next call before it sleeps, "
+     "while one client calls one call after another (us; a core busy while its calls keep coming; 0: it sleeps at "
+     "once); 100-200 us off a lone call's p50 on the H100 host (docs/PERFORMANCE.md)"),
+    ("--max-regions", int, _D.max_regions, "shared-memory regions (SharedMemory service) mapped at once, all clients "
+     "together; past it, registering answers RESOURCE_EXHAUSTED (0: none)"),
     ("--max-region-bytes", int, _D.max_region_bytes, "bytes of shared-memory regions mapped at once, all clients "
-     "together (on CUDA, system regions are page-locked: also the host memory clients can lock)"),
-    ("--shm-key-scope", str, _D.shm_key_scope, "which shared-memory objects a client may register: token (keys "
-     "starting with its token's prefix), any (any object this server's user can open), auto (token when "
-     "--auth-token-file is set)"),
-    ("--max-held-answer-bytes", int, _D.max_held_answer_bytes, "bytes of answers held for unfinished (or "
-     "unread) calls, all connections together; past it RESOURCE_EXHAUSTED before the work"),
-    ("--max-held-answer-bytes-per-connection", int, _D.max_held_answer_bytes_per_connection,
-     "bytes of answers held for one connection's unfinished (or unread) calls"),
-    ("--max-streams-per-connection", int, _D.max_streams_per_connection,
-     "calls (HTTP/2 streams) open at once on one connection"),
-    ("--max-connections", int, _D.max_connections, "client connections open at once; newer ones are closed"),
-    ("--max-sequences", int, _D.max_sequences, "sequences (OpenSequences) open at once, all clients together "
-     "(0: none)"),
-    ("--sequence-idle-s", float, _D.sequence_idle_s, "a sequence no call names for this long is closed (seconds)"),
+     "together (system: the length mapped; CUDA: offset + size); on a CUDA server system regions are page-locked "
+     "where mapped, so this also bounds the host memory clients can lock"),
+    ("--shm-key-scope", str, _D.shm_key_scope, "which POSIX shared-memory objects a client may register: token, only "
+     "keys that start with its bearer token's prefix (logitserve.client.keys.key_prefix(token)), so no token maps "
+     "another's memory; any, any object the server's user can open (every client trusted alike); auto: token with "
+     "--auth-token-file, else any (docs/SERVICE.md, 'Who can reach which memory')"),
+    ("--max-held-answer-bytes", int, _D.max_held_answer_bytes, "bytes of answers held for calls not finished "
+     "(computing, or sent to a client that does not read them), all connections together; past it RESOURCE_EXHAUSTED "
+     "before the work. Memory held is about twice this (the answer's bytes and gRPC's copy)"),
+    ("--max-held-answer-bytes-per-connection", int, _D.max_held_answer_bytes_per_connection, "the same as "
+     "--max-held-answer-bytes, for one connection's calls"),
+    ("--max-streams-per-connection", int, _D.max_streams_per_connection, "calls (HTTP/2 streams) open at once on "
+     "one connection (gRPC's grpc.max_concurrent_streams)"),
+    ("--max-connections", int, _D.max_connections, "client connections open at once; newer ones are closed at once "
+     "(gRPC's grpc.max_allowed_incoming_connections)"),
+    ("--max-sequences", int, _D.max_sequences, "sequences (OpenSequences: sampling state the server keeps, Sample by "
+     "sequence_ids) open at once, all clients together; past it, opening answers RESOURCE_EXHAUSTED (0: none)"),
+    ("--sequence-idle-s", float, _D.sequence_idle_s, "a sequence no call names for this long is closed (seconds); "
+     "a later call naming it answers NOT_FOUND"),
     ("--max-sequence-bytes", int, _D.max_sequence_bytes, "bytes the open sequences' buffers hold (lists, outputs' "
      "room, last answers), all clients together; past it an open, update or output's growth is RESOURCE_EXHAUSTED"),
-    ("--channels", _switch, "on" if _D.channels else "off", "same-host channels (OpenChannel): calls through "
-     "shared memory (iceoryx2) instead of gRPC (on, off)"),
-    ("--max-channels", int, _D.max_channels, "same-host channels open at once, all clients together"),
-    ("--channel-idle-s", float, _D.channel_idle_s, "a channel without a call for this long is closed (seconds)"),
+    ("--channels", _switch, "on" if _D.channels else "off", "same-host channels (OpenChannel, Client(..., "
+     "channel=\"shm\")): calls through shared memory (iceoryx2) instead of gRPC (on, off; off: OpenChannel answers "
+     "FAILED_PRECONDITION)"),
+    ("--max-channels", int, _D.max_channels, "same-host channels open at once, all clients together (each about 1.6 "
+     "MB of /dev/shm at 32); past it RESOURCE_EXHAUSTED"),
+    ("--channel-idle-s", float, _D.channel_idle_s, "a channel without a call for this long is closed (seconds; its "
+     "client opens a new one at its next call)"),
     ("--token-share", float, _D.token_share, "with --auth-token-file, the share of each server-wide bound "
      "(channels, sequences and their bytes, regions and their bytes, held answers) one token may hold"),
-    ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish"),
-    ("--log-level", str.lower, _D.log_level, f"one of {', '.join(LOG_LEVELS)} (any case)"),
+    ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish (seconds; "
+     "health NOT_SERVING meanwhile); calls still running then end UNAVAILABLE and the process exits within 3 s more"),
+    ("--log-level", str.lower, _D.log_level, f"one of {', '.join(LOG_LEVELS)}, any case (debug adds a line per RPC "
+     "and per warm-up case)"),
 )
 
 
 def env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+    return ENV_PREFIX + field_name(flag).upper()
+
+
+def field_name(flag: str) -> str:
+    """The ServerConfig field a flag sets (``--max-rows``: ``max_rows``)."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def shown_default(default) -> str:
+    """A flag's default as ``--help`` and README.md's table show it (600.0 as 600, None as unset)."""
+    if default is None:
+        return "unset"
+    return format(default, "g") if isinstance(default, float) else str(default)
 
 
 class _BadVariable(ValueError):
@@ -172,9 +196,11 @@ def _from_environment(env: str, flag: str, kind, value: str):
         raise _BadVariable(f"{env} ({flag}): {value!r} is not a valid value: {exc}{hint}") from None
 
 
-def build_parser(environ=os.environ, given: frozenset = frozenset()) -> argparse.ArgumentParser:
-    """The command line. ``_BadVariable`` for an environment variable its flag refuses, unless the
-    flag is among those ``given`` on the command line (which win over the variable)."""
+def build_parsers(environ=os.environ, given: frozenset = frozenset()) -> tuple[argparse.ArgumentParser,
+                                                                                argparse.ArgumentParser]:
+    """The command line and its ``serve`` sub-command (whose ``error`` prints serve's usage).
+    ``_BadVariable`` for an environment variable its flag refuses, unless the flag is among those
+    ``given`` on the command line (which win over the variable)."""
     parser = argparse.ArgumentParser(prog="logitserve", description="logitserve: sampling, MoE routing and "
                                      "softmax kernels over gRPC")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -187,17 +213,14 @@ def build_parser(environ=os.environ, given: frozenset = frozenset()) -> argparse
         # too, but its error would name the flag, not the variable).
         value = default if env not in environ or flag in given else _from_environment(env, flag, kind,
                                                                                        environ[env])
-        serve.add_argument(flag, type=kind, default=value, help=f"{text} [{env}; default: {default}]")
+        serve.add_argument(flag, type=kind, default=value, help=f"{text} [{env}; default: {shown_default(default)}]")
     commands.add_parser("version", help="print the version")
-    return parser
+    return parser, serve
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    fields = {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
-              for flag, *_ in FLAGS}
-    if not fields["devices"]:  # each process of --devices gets its own --device
-        fields["device"] = fields["device"] or default_device()
-    return ServerConfig(**fields)
+    """The parsed flags as a ServerConfig, which checks their rules (ValueError)."""
+    return ServerConfig(**{field_name(flag): getattr(args, field_name(flag)) for flag, *_ in FLAGS})
 
 
 async def serve(config: ServerConfig) -> int:
@@ -233,16 +256,24 @@ async def serve(config: ServerConfig) -> int:
     return 0
 
 
+def _given(argv: list[str]) -> frozenset[str]:
+    """The flags on the command line (``--port 1`` and ``--port=1`` alike)."""
+    return frozenset(a.split("=", 1)[0] for a in argv if a.startswith("--"))
+
+
+def _source(flag: str, argv: list[str], environ) -> str:
+    """``flag`` as the user set it: the flag, or ``LOGITSERVE_X (--x)`` where the value came from
+    the environment variable and not the command line."""
+    env = env_name(flag)
+    return f"{env} ({flag})" if flag not in _given(argv) and env in environ else flag
+
+
 def _in_flag_names(message: str, argv: list[str], environ) -> str:
     """A ServerConfig error with its field names as the flags (``max_rows`` -> ``--max-rows``), or
     as the environment variable where the value came from there and not from the command line."""
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-
     def name(match: re.Match) -> str:
-        flag = "--" + match.group(0).replace("_", "-")
-        env = env_name(flag)
-        return f"{env} (--{flag[2:]})" if flag not in given and env in environ else flag
-    fields = sorted((flag.lstrip("-").replace("-", "_") for flag, *_ in FLAGS), key=len, reverse=True)
+        return _source("--" + match.group(0).replace("_", "-"), argv, environ)
+    fields = sorted((field_name(flag) for flag, *_ in FLAGS), key=len, reverse=True)
     head, sep, rest = message.partition(":")
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, fields)) + r")\b")
     # the field names before the colon (the subject); in the text only those with an underscore
@@ -250,21 +281,68 @@ def _in_flag_names(message: str, argv: list[str], environ) -> str:
     return pattern.sub(name, head) + sep + underscored.sub(name, rest)
 
 
-def parse(argv: list[str] | None = None, environ=os.environ) -> tuple[str, ServerConfig | None]:
-    """``(command, config)`` from the command line and environment; bad values exit 2 with usage,
-    naming the flag (or the environment variable the value came from)."""
+def _unrecognized(serve: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """argparse's "unrecognized arguments" with the nearest flag to each unknown one (what Python
+    3.14's suggest_on_error adds; this runs on 3.11)."""
+    flags = [option for action in serve._actions for option in action.option_strings]
+    hints = []
+    for arg in unknown:
+        name = arg.split("=", 1)[0]
+        nearest = difflib.get_close_matches(name, flags, n=1) if name.startswith("-") else []
+        hints += [f"{name}: did you mean {nearest[0]}?"] if nearest else []
+    return "; ".join([f"unrecognized arguments: {' '.join(unknown)}", *hints])
+
+
+def _serve_error(message: str) -> NoReturn:
+    """Exit 2 with ``serve``'s usage and ``message`` (argparse's own form of a usage error)."""
+    build_parsers({})[1].error(message)
+
+
+def parse(argv: list[str] | None = None, environ=os.environ, *,
+          resolve_device: bool = True) -> tuple[str, ServerConfig | None]:
+    """``(command, config)`` from the command line and environment. A value its flag's type or
+    ServerConfig refuses, and an unknown flag, exit 2 with ``serve``'s usage naming the flag (or
+    the environment variable the value came from), before torch is imported. ``resolve_device``:
+    no --device becomes this host's default (importing torch, seconds); main leaves that to the
+    server as it starts (ServerConfig.resolved_device), so the files are checked first."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        parser = build_parser(environ, frozenset(a.split("=", 1)[0] for a in argv if a.startswith("--")))
+        parser, serve = build_parsers(environ, _given(argv))
     except _BadVariable as exc:
-        build_parser({}).error(str(exc))
-    args = parser.parse_args(argv)
+        _serve_error(str(exc))
+    args, unknown = parser.parse_known_args(argv)
     if args.command != "serve":
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         return args.command, None
+    if unknown:
+        serve.error(_unrecognized(serve, unknown))
     try:
-        return args.command, config_from_args(args)
+        config = config_from_args(args)
     except ValueError as exc:
-        parser.error(_in_flag_names(str(exc), argv, environ))
+        serve.error(_in_flag_names(str(exc), argv, environ))
+    if resolve_device and config.device is None and not config.devices:  # --devices: a --device per process
+        config = config.replace(device=default_device())
+    return args.command, config
+
+
+# The flags naming a file the server reads as it starts.
+_FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-client-ca", "--auth-token-file")
+
+
+def check_files(config: ServerConfig, argv: list[str], environ=os.environ) -> None:
+    """Exit 2 with ``serve``'s usage, naming the flag (or its variable) and the file, where a file
+    the config names cannot be read here. Apart from parse(), which reads deployment manifests
+    whose files exist in their pods only (tests/test_deploy.py)."""
+    for flag in _FILE_FLAGS:
+        path = getattr(config, field_name(flag))
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            _serve_error(f"{_source(flag, argv, environ)}: cannot read {path}: {exc.strerror}")
 
 
 def _server_extra_missing() -> str | None:
@@ -278,10 +356,12 @@ def _server_extra_missing() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    command, config = parse(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command, config = parse(argv, resolve_device=False)
     if command == "version":
         print(__version__)
         return 0
+    check_files(config, argv)  # before the server extra's check imports torch (seconds)
     missing = _server_extra_missing()
     if missing is not None:
         print(f"logitserve serve: needs the server extra ({missing} is not installed here): "
