@@ -169,7 +169,7 @@ PROCESSOR_TENSORS = ("prompt_token_ids", "prompt_offsets", "output_token_ids", "
 def build_sample(enc: Encoder, path: wire.Path, logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
                  seed=None, step=0, filter_order="top_k_first", random_val=None, out=None, repetition_penalty=None,
                  frequency_penalty=None, presence_penalty=None, min_tokens=None, logprobs=None, logprobs_mode=None,
-                 return_kept=False, sequence_ids=None, **tensors) -> pb.SampleRequest:
+                 return_kept=False, sequence_ids=None, sequence_steps=None, **tensors) -> pb.SampleRequest:
     if sequence_ids is not None:  # the rows' sequences hold their parameters: the defaults stay unset
         temperature, top_k, top_p, min_p, step = (None if _is_scalar(v) and v == d else v for v, d in (
             (temperature, 1.0), (top_k, 0), (top_p, 1.0), (min_p, 0.0), (step, 0)))
@@ -199,6 +199,8 @@ def build_sample(enc: Encoder, path: wire.Path, logits, *, temperature=1.0, top_
     msg.return_kept = bool(return_kept)
     if sequence_ids is not None:
         msg.sequence_ids.extend(int(i) for i in np.asarray(sequence_ids, dtype=np.int64).reshape(-1))
+    if sequence_steps is not None:
+        msg.sequence_steps.extend(int(i) for i in np.asarray(sequence_steps, dtype=np.int64).reshape(-1))
     rows = (_rows(msg.logits),)
     enc.outputs_into(msg, path, out, {"token_ids": (pb.DTYPE_INT64, rows), "seeds": (pb.DTYPE_INT64, rows),
                                       "valid": (pb.DTYPE_BOOL, rows)})

@@ -35,7 +35,7 @@ class OperatorMethods(ClientBase):
                output_token_ids=None, output_offsets=None, logit_bias_ids=None, logit_bias_values=None,
                logit_bias_offsets=None, allowed_token_ids=None, allowed_offsets=None, banned_token_ids=None,
                banned_offsets=None, stop_token_ids=None, stop_offsets=None, grammar_bitmask=None, logprobs=None,
-               logprobs_mode=None, return_kept=False, sequence_ids=None, out=None, stream=None,
+               logprobs_mode=None, return_kept=False, sequence_ids=None, sequence_steps=None, out=None, stream=None,
                timeout=CLIENT_TIMEOUT, wait_for_ready=None) -> SampleResult:
         """Next token of every row of ``logits`` ``(batch_size, vocab_size)``.
 
@@ -60,6 +60,8 @@ class OperatorMethods(ClientBase):
         ``return_kept``, ``filter_order`` and ``out`` still apply). Each sequence's output and step
         advance, so such a call is not retried after UNAVAILABLE (:mod:`.retrying`): it raises,
         and ``update_sequences`` tells each sequence's step. Refused on a round_robin client.
+        ``sequence_steps``: the step each row's sequence is expected to draw: a call repeating
+        the last drawn steps is answered what was drawn then, so it may be sent again safely.
 
         ``out``: a dict (or an object with these attributes) of registered outputs, any of
         ``token_ids`` (int64 [B]), ``seeds`` (int64 [B]), ``valid`` (bool [B]); the server writes
@@ -77,6 +79,7 @@ class OperatorMethods(ClientBase):
             filter_order=filter_order, random_val=random_val, out=out, repetition_penalty=repetition_penalty,
             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, min_tokens=min_tokens,
             logprobs=logprobs, logprobs_mode=logprobs_mode, return_kept=return_kept, sequence_ids=sequence_ids,
+            sequence_steps=sequence_steps,
             prompt_token_ids=prompt_token_ids, prompt_offsets=prompt_offsets, output_token_ids=output_token_ids,
             output_offsets=output_offsets, logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values,
             logit_bias_offsets=logit_bias_offsets, allowed_token_ids=allowed_token_ids,

@@ -14,10 +14,15 @@ with the sequence's state, appends the token to its output and advances its step
 
 ``async with await aclient.open_sequences(...) as seqs`` for :class:`~.client.AsyncClient`
 (``await seqs.sample(...)``). Ids are the caller's int64s, apart from other bearer tokens'.
+
+A :class:`Sequences` knows each sequence's step and sends it (``sequence_steps``), so that a
+call that failed (DEADLINE_EXCEEDED, UNAVAILABLE: the server may have drawn or not) is safe to
+make again: the server answers the tokens it drew then, or draws them now, never twice.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -85,20 +90,37 @@ def sequence_update(id: int, *, logit_bias: Mapping[int, float] | None = None, *
 
 
 class Sequences:
-    """Open sequences: ``ids`` (in the order opened) and the ``seeds`` they use. A context
-    manager (``with`` / ``async with``) that closes them; :meth:`sample` names them all, one row
-    of the logits each, in ``ids`` order."""
+    """Open sequences: ``ids`` (in the order opened), the ``seeds`` they use and the ``steps``
+    they draw next. A context manager (``with`` / ``async with``) that closes them;
+    :meth:`sample` names them all, one row of the logits each, in ``ids`` order."""
 
-    def __init__(self, client, ids: list[int], seeds: list[int]):
+    def __init__(self, client, ids: list[int], seeds: list[int], steps: list[int]):
         self._client = client
         self.ids = ids
         self.seeds = seeds
+        self.steps = steps
 
     def sample(self, logits, **options):
-        """``client.sample(logits, sequence_ids=self.ids, **options)``: options are those a
-        sequence leaves to the call (``grammar_bitmask``, ``logprobs``, ``logprobs_mode``,
-        ``return_kept``, ``filter_order``, ``out``, ``stream``, ``timeout``)."""
-        return self._client.sample(logits, sequence_ids=self.ids, **options)
+        """``client.sample(logits, sequence_ids=self.ids, sequence_steps=self.steps, **options)``,
+        then ``steps`` advanced by one: options are those a sequence leaves to the call
+        (``grammar_bitmask``, ``logprobs``, ``logprobs_mode``, ``return_kept``,
+        ``filter_order``, ``out``, ``stream``, ``timeout``). A call that raised leaves
+        ``steps`` as they were: calling again with the same options is safe (the server
+        answers what it drew for those steps, if it drew). After ``update_sequences`` or
+        a Sample made without this object, set ``steps`` from the server's answer."""
+        answer = self._client.sample(logits, sequence_ids=self.ids, sequence_steps=self.steps, **options)
+        if inspect.isawaitable(answer):  # an AsyncClient's
+            return self._advanced_once(answer)
+        self._advance()
+        return answer
+
+    async def _advanced_once(self, answer):
+        result = await answer
+        self._advance()
+        return result
+
+    def _advance(self) -> None:
+        self.steps = [step + 1 for step in self.steps]
 
     def close(self, *, timeout=CLIENT_TIMEOUT):
         """Close them (the ids closed; awaitable with an AsyncClient)."""
@@ -129,9 +151,9 @@ class SequenceMethods:
         ``--max-sequences``), INVALID_ARGUMENT naming ``sequences[i].<field>``."""
         balancing.require_one_server(self, "open_sequences")
         specs = [s if isinstance(s, pb.SequenceSpec) else sequence_spec(**s) for s in sequences]
-        ids = [s.id for s in specs]
+        ids, steps = [s.id for s in specs], [s.step for s in specs]  # step unset: 0, the server's default
         return self._simple("OpenSequences", pb.OpenSequencesRequest(sequences=specs), pb.OpenSequencesResponse,
-                            lambda m: Sequences(self, ids, list(m.seeds)), timeout)
+                            lambda m: Sequences(self, ids, list(m.seeds), steps), timeout)
 
     def update_sequences(self, updates: Iterable, *, timeout=CLIENT_TIMEOUT) -> list[int]:
         """Change open sequences (each a dict of :func:`sequence_update`'s keywords, ``id``

@@ -192,7 +192,8 @@ class LogitServeServicer(object):
         penalties with the prompt's and the output's tokens, logit bias, banned and stop tokens,
         min_tokens), applied by every Sample whose rows name it (SampleRequest.sequence_ids). All or
         none of a request's sequences open. Adds ALREADY_EXISTS (an id this caller has open) and
-        RESOURCE_EXHAUSTED (past the server's --max-sequences).
+        RESOURCE_EXHAUSTED (past the server's --max-sequences or --max-sequence-bytes, or this bearer
+        token's --token-share of either).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -200,7 +201,7 @@ class LogitServeServicer(object):
 
     def CloseSequences(self, request, context):
         """Closes sequences and frees their state. Ids this caller has no open sequence of are skipped
-        (the answer lists those closed).
+        (the answer lists those closed). Adds RESOURCE_EXHAUSTED (more ids than --max-sequences).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -209,7 +210,8 @@ class LogitServeServicer(object):
     def UpdateSequences(self, request, context):
         """Changes open sequences' sampling parameters, seed, penalties, min_tokens, prompt, logit bias,
         banned and stop tokens; each keeps its output and step. All or none of a request's updates
-        apply. Adds NOT_FOUND (an id this caller has no open sequence of).
+        apply. Adds NOT_FOUND (an id this caller has no open sequence of) and RESOURCE_EXHAUSTED
+        (more updates than --max-sequences; lists past --max-sequence-bytes or the token's share).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

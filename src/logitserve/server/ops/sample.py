@@ -83,6 +83,8 @@ class SampleCall:
         rows, vocab = logits.shape
         limits.check(f"{path}logits", rows, vocab)
         named = None
+        if len(msg.sequence_steps) and not msg.sequence_ids:
+            raise ValueError(f"{path}sequence_steps: only with sequence_ids (the steps of the rows' sequences)")
         if msg.sequence_ids:
             if sequences is None:
                 raise ValueError(f"{path}sequence_ids: only the Sample RPC takes sequence ids (not Step or "

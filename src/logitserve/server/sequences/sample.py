@@ -14,6 +14,11 @@ torch backend as ragged keywords of ``launch_processed`` (ids concatenated, ``[B
 offsets, the tokens appended row by row after it). Either way only the lists some row uses are
 passed (``sequences_lists.lists_of``), as a stateless caller would leave the others out, so the
 answer equals a call without sequence ids that sends the same values and lists.
+
+Before the draw each sequence gets room for it (``SequenceTable.reserve``, within the bounds);
+after it, each keeps its row of the answer, so that a call naming the steps it expects
+(``sequence_steps``) and repeating the last drawn ones is answered the same without a draw
+(sequences/retry.py).
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import torch
 from logitserve.kernels.sampling.params import MIN_TOKENS, PENALTY_PARAMS, RAGGED_LISTS, SAMPLING_PARAMS
 
 from ..regions.servicer import caller
+from .lists import StateRows, TableLaunch, lists_of, param_rows
+from .retry import answer_bytes, drawn, repeated, repeats
 from .sequence import Sequence, SequenceState
 from .table import SequenceTable
-from .lists import StateRows, TableLaunch, lists_of, param_rows
 
 # The SampleRequest fields a sequence's state replaces: with sequence_ids they must be unset.
 REPLACED = (*(f for p in (*SAMPLING_PARAMS.values(), *PENALTY_PARAMS.values(), MIN_TOKENS)
@@ -61,6 +67,7 @@ class SequenceRows:
     sequences: list[Sequence]
     vocab: int
     path: str
+    steps: list[int] | None = None  # the steps the call expects its rows' sequences to draw (None: any)
 
     def processors(self, states: list[SequenceState], rows: list[StateRows], device: torch.device) -> dict:
         """The kernels' processor keywords of the rows' state (``states``, read once, and their
@@ -85,12 +92,16 @@ class SequenceRows:
             kw["banned_token_ids"], kw["banned_offsets"] = _ragged([state.banned for state in states], device)
         return kw
 
-    def _read_state(self, call) -> tuple[list[SequenceState], list[StateRows]]:
+    def _repeats(self, call) -> bool:
         """At the launch: the sequences still open (NOT_FOUND for one closed or expired while the
-        call waited), each one's state read once (an update replaces it whole), its tokens
-        checked again against the vocabulary (a call meanwhile may have appended, an update
-        given longer lists), and the rows' parameters put into ``call``."""
+        call waited), and whether the call repeats their last draws (sequences/retry.py)."""
         self.table.check_open(self.sequences, self.path + "sequence_ids")
+        return repeats(self.sequences, self.steps, call, self.path + "sequence_steps")
+
+    def _read_state(self, call) -> tuple[list[SequenceState], list[StateRows]]:
+        """At the launch of a draw: each sequence's state read once (an update replaces it whole),
+        its tokens checked again against the vocabulary (a call meanwhile may have appended, an
+        update given longer lists), and the rows' parameters put into ``call``."""
         states = [seq.state for seq in self.sequences]
         _check_vocab(self.sequences, states, self.vocab, self.path)
         rows = [StateRows.of(state) for state in states]
@@ -106,31 +117,60 @@ class SequenceRows:
             tokens, logprobs = await handle.run(self.launch, call, handle, names, launch_processed)
             return tokens.tolist(), logprobs
         async with self.table.launch_lock:
+            if self._repeats(call):
+                tokens, logprobs = repeated(self.sequences, call)
+                if call.outputs is not None:
+                    await handle.run(self._put_outputs, call, tokens)
+                return tokens, logprobs
             _, rows = self._read_state(call)
-            if any(seq.full for seq in self.sequences):  # on the launches' stream
-                await handle.run(self.table.reserve, self.sequences, self.path + "sequence_ids")
-            launch = TableLaunch(call, handle, names, self.sequences, rows)
-            key = launch.key()
-            if key is not None and (not launch.fixed or handle.graphs.seen_again(key)):
-                tokens, = await handle.launch(key, call.rows, launch.stage_for, launch.launch)
-                logprobs = None
-            else:
-                tokens, logprobs = await handle.run(launch.eagerly)
-            tokens = tokens.tolist()
-            self.table.counted(self.sequences, tokens)
+            kept = answer_bytes(call, self.vocab)
+            try:
+                if kept or any(seq.full for seq in self.sequences):  # on the launches' stream
+                    await handle.run(self.table.reserve, self.sequences, self.path + "sequence_ids", kept)
+                launch = TableLaunch(call, handle, names, self.sequences, rows)
+                key = launch.key()
+                if key is not None and (not launch.fixed or handle.graphs.seen_again(key)):
+                    tokens, = await handle.launch(key, call.rows, launch.stage_for, launch.launch)
+                    logprobs = None
+                else:
+                    tokens, logprobs = await handle.run(launch.eagerly)
+                tokens = tokens.tolist()
+                self.table.drew(self.sequences, tokens, self._answers(call, tokens, logprobs))
+            finally:
+                self.table.recount(self.sequences)
         return tokens, logprobs
+
+    def _answers(self, call, tokens: list[int], logprobs: tuple | None) -> list:
+        """Each row's answer, as its sequence keeps it (at its step, before it advances)."""
+        seeds = call.seeds()
+        return [drawn(seq, row, token, seeds[row], call, logprobs)
+                for row, (seq, token) in enumerate(zip(self.sequences, tokens))]
+
+    @staticmethod
+    def _put_outputs(call, tokens: list[int]) -> None:
+        """On the launch thread: a repeated answer's outputs into their regions."""
+        call.put_outputs(torch.tensor(tokens, dtype=torch.int64), torch.tensor(call.seeds(), dtype=torch.int64))
 
     def launch(self, call, handle, names, launch_processed: Callable) -> tuple:
         """On the launch thread: ``call`` (a SampleCall of these rows) launched with the
         sequences' state by ``launch_processed``; then each row's token appended, its step
-        advanced. Returns the tokens and logprobs (host tensors, or None)."""
+        advanced (or, for a call repeating its rows' last draws, their answer). Returns the
+        tokens and logprobs (host tensors, or None)."""
+        if self._repeats(call):
+            tokens, logprobs = repeated(self.sequences, call)
+            self._put_outputs(call, tokens)
+            return torch.tensor(tokens, dtype=torch.int64), logprobs
         states, rows = self._read_state(call)
-        self.table.reserve(self.sequences, self.path + "sequence_ids")
-        call.processors = {**(call.processors or {}), **self.processors(states, rows, handle.device)}
-        tokens, logprobs, _ = launch_processed(call, handle, names)  # no list of a region to check
-        if tokens.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # to_host's copy: the values are read here
-        self.table.advance(self.sequences, tokens.tolist(), tokens.to(handle.device))
+        self.table.reserve(self.sequences, self.path + "sequence_ids", answer_bytes(call, self.vocab))
+        try:
+            call.processors = {**(call.processors or {}), **self.processors(states, rows, handle.device)}
+            tokens, logprobs, _ = launch_processed(call, handle, names)  # no list of a region to check
+            if tokens.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # to_host's copy: the values are read here
+            listed = tokens.tolist()
+            self.table.drew(self.sequences, listed, self._answers(call, listed, logprobs), tokens.to(handle.device))
+        finally:
+            self.table.recount(self.sequences)
         return tokens, logprobs
 
 
@@ -159,6 +199,21 @@ class SequenceLookup:
             if msg.HasField(field):
                 raise ValueError(f"{path}{field}: must be unset with sequence_ids (each row's sequence holds its "
                                  f"parameters and lists; change them with UpdateSequences)")
+        steps = _steps(msg.sequence_steps, rows, path + "sequence_steps")
         sequences = self.table.lookup(caller(self.context), ids, name)
         _check_vocab(sequences, [seq.state for seq in sequences], vocab, path)
-        return SequenceRows(self.table, sequences, vocab, path)
+        return SequenceRows(self.table, sequences, vocab, path, steps)
+
+
+def _steps(steps, rows: int, name: str) -> list[int] | None:
+    """A call's ``sequence_steps``: None when unset, else one step >= 0 a row."""
+    if not len(steps):
+        return None
+    if len(steps) != rows:
+        raise ValueError(f"{name}: must have one step per logits row ({rows}), got {len(steps)} (or none: each "
+                         f"row draws its sequence's next step)")
+    steps = list(steps)
+    for row, step in enumerate(steps):
+        if step < 0:
+            raise ValueError(f"{name}[{row}]: must be >= 0 (the step its sequence is expected to draw), got {step}")
+    return steps

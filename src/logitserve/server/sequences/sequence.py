@@ -2,7 +2,9 @@
 banned and stop tokens) as tensors on the server's device (the table of them: table.py).
 
 The output has room to grow: the launch stores each drawn token after it, and the room is
-made before the launch (:meth:`Sequence.grow`, which the table calls within its bounds).
+made before the launch (:meth:`Sequence.grow`, which the table calls within its bounds). Its
+last draw's answer is kept (:class:`Drawn`), so that a retry of the call that drew it is
+answered the same, never drawn again (sequences/sample.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import NotFound
+from ..errors import NotFound, Unsupported
 from ..regions import RegionExists
 
 ID_BYTES = 8  # every list is int64 on the device
@@ -25,6 +27,11 @@ class SequenceNotFound(NotFound):
 
 class SequenceExists(RegionExists):
     """An id this caller has open already: ALREADY_EXISTS (the status guard.py gives RegionExists)."""
+
+
+class StepMismatch(Unsupported):
+    """A Sample's ``sequence_steps`` naming a step its sequence cannot draw or repeat:
+    FAILED_PRECONDITION (the status guard.py gives Unsupported)."""
 
 
 def not_open(field: str, seq_id: int) -> SequenceNotFound:
@@ -83,6 +90,22 @@ class SequenceState:
         return sum(replaced[attr] if attr in replaced else held_bytes((getattr(self, attr),)) for attr in STATE_LISTS)
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """A sequence's last draw, as its call was answered: kept so that a retry of that call is
+    answered the same."""
+
+    step: int
+    token: int
+    seed: int
+    asked: tuple  # (logprobs n or None, logprobs_mode, return_kept) of the call that drew it
+    logprobs: tuple | None  # its row of the answer's (token_logprobs, ..., kept_bitmask): host tensors or None
+
+    @property
+    def nbytes(self) -> int:
+        return held_bytes(self.logprobs or ())
+
+
 @dataclass(eq=False)
 class Sequence:
     """One open sequence. ``output`` has room to grow (``output_len`` of it hold tokens)."""
@@ -97,6 +120,7 @@ class Sequence:
     last_used: float = 0.0
     ended: str | None = None  # why it is no longer open ("closed", "expired"); None while open
     counted: int = 0  # the bytes the table counts for it (its nbytes while open)
+    last: Drawn | None = None  # its last draw (None: none since it opened)
     # The output buffer's address and room, kept beside it: a list table row reads them each call.
     output_address: int = field(init=False, default=0)
     output_capacity: int = field(init=False, default=0)
@@ -114,8 +138,13 @@ class Sequence:
 
     @property
     def nbytes(self) -> int:
-        """The bytes of the buffers it holds, as allocated: its lists, its output's whole room."""
-        return self.state.nbytes + held_bytes((self.output,))
+        """The bytes of the buffers it holds, as allocated: its lists, its output's whole room,
+        its last answer."""
+        return self.state.nbytes + held_bytes((self.output,)) + self.last_bytes
+
+    @property
+    def last_bytes(self) -> int:
+        return 0 if self.last is None else self.last.nbytes
 
     @property
     def full(self) -> bool:

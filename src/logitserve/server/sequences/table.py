@@ -234,57 +234,77 @@ class SequenceTable:
                     raise SequenceNotFound(f"{field}[{row}]: sequence {seq.id} was {seq.ended} while this call "
                                            f"waited for its launch; {OPEN_FIRST}")
 
-    def reserve(self, sequences: list[Sequence], field: str = "sequence_ids") -> None:
-        """On the launch thread, before the draw: room for one more token in each of
-        ``sequences``' outputs. A full output's room doubles (amortised O(1) a token), or grows
-        by what the bounds leave its owner where doubling would pass them; ``TooLarge`` naming
-        ``field[row]`` where not one token's room is left (then nothing grows, nothing is drawn).
-        The growth is counted before it is made, so no other change takes the room meanwhile."""
-        planned = []
+    def _charge(self, seq: Sequence, nbytes: int) -> None:
+        """Under the lock: ``nbytes`` more counted for ``seq`` before it holds them."""
+        self.bounds.add(seq.owner, 0, nbytes)
+        seq.counted += nbytes
+
+    def reserve(self, sequences: list[Sequence], field: str = "sequence_ids", answer_bytes: int = 0) -> None:
+        """On the launch thread, before the draw: room for this call's draw in each of
+        ``sequences``: for its answer, which it keeps as its last (``answer_bytes`` a row, in
+        place of the last it keeps), and for one more token in its output. A full output's room
+        doubles (amortised O(1) a token), or grows by what the bounds leave its owner where
+        doubling would pass them. ``TooLarge`` naming ``field[row]`` where the bounds leave room
+        for neither (then nothing grows, nothing is drawn). The room is counted before it is
+        taken, so that no other change takes it meanwhile; :meth:`drew` (or :meth:`recount`, when
+        the draw fails) counts what each holds after."""
+        charged, planned = [], []
         with self._lock:
             try:
                 for row, seq in enumerate(sequences):
-                    if not seq.full:
+                    if seq.ended is not None:  # closed meanwhile: appended to and dropped, uncounted
+                        if seq.full:
+                            planned.append((seq, seq.output_capacity, max(16, 2 * seq.output_len)))
                         continue
-                    capacity = max(16, 2 * seq.output_len)
-                    if seq.ended is None:  # one closed meanwhile is appended to and dropped, uncounted
+                    what = f"{field}[{row}]: sequence {seq.id} has no room for this call's"
+                    kept = answer_bytes - seq.last_bytes
+                    if kept > 0:
+                        self.bounds.check(seq.owner, 0, kept, f"{what} answer (nothing was drawn)")
+                        self._charge(seq, kept)
+                        charged.append(seq)
+                    if seq.full:
                         room = self.bounds.room(seq.owner) // ID_BYTES
                         if room == 0:
-                            self.bounds.check(seq.owner, 0, ID_BYTES,
-                                              f"{field}[{row}]: sequence {seq.id} has no room for this call's token "
-                                              f"(its output is full at {seq.output_len} tokens; nothing was drawn)")
-                        capacity = min(capacity, seq.output_capacity + room)
-                        self.bounds.add(seq.owner, 0, (capacity - seq.output_capacity) * ID_BYTES)
-                        seq.counted += (capacity - seq.output_capacity) * ID_BYTES
-                    planned.append((seq, capacity))
+                            self.bounds.check(seq.owner, 0, ID_BYTES, f"{what} token (its output is full at "
+                                                                      f"{seq.output_len} tokens; nothing was drawn)")
+                        capacity = min(max(16, 2 * seq.output_len), seq.output_capacity + room)
+                        self._charge(seq, (capacity - seq.output_capacity) * ID_BYTES)
+                        charged.append(seq)
+                        planned.append((seq, seq.output_capacity, capacity))
             except TooLarge:
-                for seq, _ in planned:
+                for seq in charged:
                     self._recount(seq)  # back to what it holds
                 raise
         try:
-            for seq, capacity in planned:
+            for seq, _, capacity in planned:
                 seq.grow(capacity)
         finally:
             with self._lock:
-                for seq, _ in planned:  # what each holds now: grown, or not where growing failed
-                    self._recount(seq)
+                for seq, before, capacity in planned:
+                    if seq.output_capacity == before and seq.ended is None:  # not grown: its charge back
+                        self._charge(seq, (before - capacity) * ID_BYTES)
 
-    def advance(self, sequences: list[Sequence], tokens: list[int], on_device: torch.Tensor) -> None:
-        """On the launch thread, after the draw: each row's token (``tokens``, and the same on
-        the device) stored after its sequence's output unless it is -1 (no token), and every
-        step advanced by one (the outputs have room: :meth:`reserve`)."""
-        for row, (seq, token) in enumerate(zip(sequences, tokens)):
+    def drew(self, sequences: list[Sequence], tokens: list[int], answers: list, on_device=None) -> None:
+        """After a draw: each row's token (-1: none) stored after its sequence's output, by this
+        call from ``on_device`` (the tokens on the device) when given, else by the launch
+        already; each row's answer (``answers``: Drawns) kept as its sequence's last; every step
+        advanced by one; what each sequence holds counted."""
+        for row, (seq, token, answer) in enumerate(zip(sequences, tokens, answers)):
             if token >= 0:
-                seq.append(on_device[row:row + 1], token)
+                if on_device is not None:
+                    seq.append(on_device[row:row + 1], token)
+                else:
+                    seq.appended(token)
+            seq.last = answer
             seq.step += 1
+        self.recount(sequences)
 
-    def counted(self, sequences: list[Sequence], tokens: list[int]) -> None:
-        """After a launch that stored each row's token after its output (-1: none): the tokens
-        counted, every step advanced by one."""
-        for seq, token in zip(sequences, tokens):
-            if token >= 0:
-                seq.appended(token)
-            seq.step += 1
+    def recount(self, sequences: list[Sequence]) -> None:
+        """What each of ``sequences`` holds counted again (after a draw, or a failed one: the
+        room :meth:`reserve` counted for an answer never kept is let go)."""
+        with self._lock:
+            for seq in sequences:
+                self._recount(seq)
 
     def holdings(self) -> dict:
         """Each owner holding sequences -> {"open_sequences": n, "sequence_bytes": b} (/metrics)."""

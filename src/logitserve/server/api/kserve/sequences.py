@@ -9,7 +9,12 @@ sequence first, its parameters taken from the request's (``temperature``, ``top_
 ``min_p``, ``seed``, ``step``; unset: the defaults, a drawn seed, which ``SEEDS`` answers); the
 sequence's later requests leave them unset. One with ``sequence_end`` closes it after its draw.
 A request that fails closes the sequence it opened (a retry may start it again) and leaves open
-one it would have ended (``CloseSequences`` or idle expiry closes it).
+one it would have ended (``CloseSequences`` or idle expiry closes it). A request with
+``sequence_step`` names the step it expects its sequence to draw, so that a retry is safe: a
+repeat of the step last drawn answers what was drawn then (sequences/retry.py). A retried
+``sequence_start`` whose first attempt opened the sequence is ALREADY_EXISTS (send it again
+without ``sequence_start``, its ``sequence_step`` the same); one retried after its
+``sequence_end`` closed the sequence is NOT_FOUND.
 """
 
 from __future__ import annotations
@@ -21,14 +26,15 @@ from logitserve.v1 import logitserve_pb2 as pb
 
 from ...errors import TooLarge
 from ...regions.servicer import caller
-from ...sequences.sequence import OPEN_FIRST, SequenceExists, SequenceNotFound
+from ...sequences.sequence import OPEN_FIRST, SequenceExists, SequenceNotFound, StepMismatch
 from ...sequences.open import open_specs
 from ...sequences.sample import SequenceLookup
 from . import translate
-from .sequence_params import SEQUENCE_ID, SEQUENCE_START
+from .sequence_params import SEQUENCE_ID, SEQUENCE_START, SEQUENCE_STEP
 
 ID_FIELD = f"parameters[{SEQUENCE_ID}]"
 START_FIELD = f"parameters[{SEQUENCE_START}]"
+STEP_FIELD = f"parameters[{SEQUENCE_STEP}]"
 # The parameters a sequence_start request gives its sequence (random_val: a sequence draws its
 # own noise from its seed and step).
 _OPENING = tuple(p.name for p in SAMPLING_PARAMS.values() if p is not RANDOM_VAL)
@@ -60,8 +66,11 @@ def _as_sequence_call(job: translate.Translated) -> pb.SequenceSpec | None:
     if given and not seq.start:
         raise ValueError(f"parameters[{given[0]}]: must be unset on a sequence's later requests (the "
                          f"parameters of its {SEQUENCE_START} request hold for the whole sequence)")
-    job.names.update({"sequence_ids[0]": ID_FIELD, "sequence_ids": ID_FIELD})
+    job.names.update({"sequence_ids[0]": ID_FIELD, "sequence_ids": ID_FIELD, "sequence_steps[0]": STEP_FIELD,
+                      "sequence_steps": STEP_FIELD})
     msg.sequence_ids.append(seq.id)
+    if seq.step is not None:
+        msg.sequence_steps.append(seq.step)
     if not seq.start:
         return None
     spec = pb.SequenceSpec(id=seq.id, **{name: getattr(msg, name) for name in given})
@@ -96,13 +105,13 @@ async def sequence_of(job: translate.Translated, service, context):
                 from None
     try:
         yield {"sequences": SequenceLookup(table, context)}
-    except SequenceNotFound as exc:
+    except BaseException as exc:
         if spec is not None:
             table.close(owner, [seq.id])
-        raise _not_found(exc, job.names) from None
-    except BaseException:
-        if spec is not None:
-            table.close(owner, [seq.id])
+        if isinstance(exc, SequenceNotFound):
+            raise _not_found(exc, job.names) from None
+        if isinstance(exc, (StepMismatch, TooLarge)):  # raised at the launch: in the request's names
+            raise translate.renamed(exc, job.names) from None
         raise
     if seq.end:
         table.close(owner, [seq.id])
