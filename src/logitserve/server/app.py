@@ -109,7 +109,9 @@ class Service:
         # Sampling state of every caller's open sequences (server/sequences/table.py), on the device.
         self.sequences = SequenceTable(SequenceBounds(config.max_sequences, config.max_sequence_bytes,
                                                       config.token_share, tokens_on),
-                                       config.sequence_idle_s, device)
+                                       config.sequence_idle_s, device,
+                                       # --workers' processes share the port; --devices' have one each
+                                       shared_port=config.reuse_port and not config.device_endpoints)
         self.metrics = Metrics(device=str(device))
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         try:

@@ -191,9 +191,10 @@ class LogitServeServicer(object):
         """Opens sequences: sampling state the server keeps per sequence (parameters, seed and step,
         penalties with the prompt's and the output's tokens, logit bias, banned and stop tokens,
         min_tokens), applied by every Sample whose rows name it (SampleRequest.sequence_ids). All or
-        none of a request's sequences open. Adds ALREADY_EXISTS (an id this caller has open) and
+        none of a request's sequences open. Adds ALREADY_EXISTS (an id this caller has open),
         RESOURCE_EXHAUSTED (past the server's --max-sequences or --max-sequence-bytes, or this bearer
-        token's --token-share of either).
+        token's --token-share of either) and FAILED_PRECONDITION (a server process whose port other
+        processes share, as --workers' do: each holds its own sequences).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -24,7 +24,7 @@ from logitserve.kernels.sampling.params import (FREQUENCY_PENALTY, MIN_P, MIN_TO
                                                 REPETITION_PENALTY, SEED, SEED_BITS, STEP, TEMPERATURE, TOP_K, TOP_P)
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..errors import TooLarge
+from ..errors import TooLarge, Unsupported
 from .sequence import ID_BYTES, Sequence, SequenceParams, SequenceState
 from .table import SequenceTable
 
@@ -134,6 +134,12 @@ async def open_specs(table: SequenceTable, specs: list, owner: str | None, max_v
     What can be refused without building a sequence is, first: too many (before a spec is
     read), an id twice, an id open already, more bytes than the bounds leave; a request refused
     there costs no copy."""
+    if table.shared_port:
+        raise Unsupported(f"{what}: this server process shares its port with other server processes (--workers, or "
+                          f"--reuse-port on), each holding its own sequences, and each connection reaches any one of "
+                          f"them: a sequence opened through one connection would be NOT_FOUND through another. Run "
+                          f"one server process per port (--workers 1), or one per GPU with --devices (each on a "
+                          f"port of its own)")
     if table.max_sequences == 0:
         raise TooLarge(f"{what}: this server keeps no sequences (--max-sequences 0); send each row's parameters "
                        f"and lists with Sample instead")

@@ -44,12 +44,15 @@ log = get_logger("sequences")
 @dataclass(eq=False)
 class SequenceTable:
     """The open sequences of every caller, within ``bounds``; each closed once no call has named
-    it for ``idle_s`` seconds. ``clock``: monotonic seconds (tests move it)."""
+    it for ``idle_s`` seconds. ``clock``: monotonic seconds (tests move it). ``shared_port``: other
+    server processes listen on this one's port (--workers), so that no sequence may open here
+    (open.py ``open_specs`` says why)."""
 
     bounds: SequenceBounds
     idle_s: float
     device: torch.device
     clock: object = time.monotonic
+    shared_port: bool = False
     _open: OrderedDict = field(default_factory=OrderedDict, repr=False)  # (owner, id) -> Sequence, by last use
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     expired: int = 0  # sequences closed for idleness since the start
