@@ -19,7 +19,8 @@ from test_zero_copy import Arena, Caller, data, in_region, start_server, value
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with start_server(tmp_path_factory.mktemp("zc-errors"), "--max-regions", "4") as s:
+    # --token-share 1: the server-wide bounds checked here, a token's share in tests/test_hardening_sequences_bounds.py.
+    with start_server(tmp_path_factory.mktemp("zc-errors"), "--max-regions", "4", "--token-share", "1") as s:
         yield s
 
 
