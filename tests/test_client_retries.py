@@ -1,7 +1,8 @@
 """Who retries which call after UNAVAILABLE (client/retrying.py), against a fake server that fails
 each method's first calls: gRPC's retry policy for the methods it can judge by name, large
-requests included; the client's own loop for a Sample naming no sequences; never a Sample naming
-sequences (it advances them); the attempts ``retries`` gives and the one deadline across them;
+requests included; the client's own loop for a Sample naming no sequences, or naming sequences
+and their steps; never a Sample naming sequences without their steps (it advances them); the
+attempts ``retries`` gives and the one deadline across them;
 the service config the client composes (a given one's method configs kept), and deploy/'s for
 other languages matching it; close() against a server that has gone.
 
@@ -115,6 +116,14 @@ def test_a_sample_naming_sequences_is_sent_once(failing):
     handler.failures = 2
     assert asyncio.run(main()).token_ids.shape == (2,)
     assert handler.calls["Sample"] == 3  # the one naming sequences; the next one's failure and its retry
+
+
+def test_a_sample_naming_sequences_and_their_steps_is_retried(failing):
+    """With ``sequence_steps`` the server answers a repeat with its first draw: safe to send again."""
+    handler, target = failing(2)
+    with Client(target, retries=3, timeout=30) as client:
+        assert client.sample(LOGITS, sequence_ids=[1, 2], sequence_steps=[0, 4]).token_ids.shape == (2,)
+    assert handler.calls["Sample"] == 3
 
 
 # ------------------------------------------------------------------- gRPC's retry policy

@@ -81,6 +81,14 @@ def _names_sequences(msg) -> bool:
     return isinstance(sample, pb.SampleRequest) and len(sample.sequence_ids) > 0
 
 
+def _draws_unnamed_steps(msg) -> bool:
+    """A Sample naming sequences without the step each row expects: sent twice, it would draw
+    twice. With ``sequence_steps`` a repeat answers the draw made the first time (the server keeps
+    each sequence's last answer), so that call is as safe to retry as any other."""
+    sample = msg.sample if isinstance(msg, pb.StepRequest) else msg
+    return _names_sequences(msg) and len(sample.sequence_steps) == 0
+
+
 class DeviceRouting:
     """The mixin ``Client`` and ``AsyncClient`` put before their methods: sends each call to its
     device's process (see the module's docstring)."""
@@ -190,14 +198,15 @@ class DeviceRouting:
               wait_for_ready: bool | None = None):
         """Synchronize what the request names on CUDA, serialize it (tensor bytes copied once)
         and call ``rpc`` at the process of its device; the answer is read by ``read`` with the
-        request's ``out=`` outputs. A call naming sequences changes them: not idempotent."""
+        request's ``out=`` outputs. A call naming sequences without their steps changes them
+        unrepeatably: not idempotent."""
 
         def send(client):
             synchronize(enc.cuda_devices, stream)
             payload = enc.serialize(msg, self._recycler)
             self._recycler.give_back(payload)  # reused only once nothing references it (after this call)
             return client._call(rpc, payload, timeout, results.reader(response_type, read, enc.outputs),
-                                client._forgetting_missing(enc.referenced), idempotent=not _names_sequences(msg),
+                                client._forgetting_missing(enc.referenced), idempotent=not _draws_unnamed_steps(msg),
                                 wait_for_ready=wait_for_ready)
 
         if self._routes.leaf or not (enc.devices or any(k is not TARGET for k in enc.table.owners.values())):

@@ -14,9 +14,11 @@ the same backoff and the same deadline rule) for the calls a name cannot judge:
 
 - ``Sample``: one naming ``sequence_ids`` advances each sequence's step and output on the
   server. After UNAVAILABLE the client cannot know whether the server drew (a connection lost
-  after the draw), and sending it again would draw twice, the caller never seeing the first
-  token. So the client retries a ``Sample`` only when it names no sequences; one that does
-  raises the UNAVAILABLE (``update_sequences`` answers each sequence's step, to learn where it is).
+  after the draw). With ``sequence_steps`` (the step each row expects; ``Sequences.sample``
+  sends them) a repeat is answered with the first draw, so the client retries it like any call;
+  without them sending it again would draw twice, the caller never seeing the first token, so
+  such a call raises the UNAVAILABLE (``update_sequences`` answers each sequence's step, to
+  learn where it is).
 - A client with ``channel="shm"``: the calls its same-host channel carries (:mod:`.same_host`)
   never go through gRPC's retrying machinery, so all of them, and the OpenChannel each may make
   first, are retried by the client (not by gRPC too, which would multiply the attempts).
