@@ -21,7 +21,7 @@ PACKAGES = {
 }
 # The server's layers, top first; a module imports its own layer and those below.
 SERVER_LAYERS = (
-    ("entry points", ("app", "cli", "flag_table", "process", "workers", "devices", "testing", "healthcheck", "precompile",
+    ("entry points", ("app", "cli", "flags", "flag_table", "process", "workers", "devices", "testing", "healthcheck", "precompile",
                       "__init__")),
     ("front doors", ("api",)),
     ("sequences", ("sequences",)),

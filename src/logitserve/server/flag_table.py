@@ -13,10 +13,11 @@ import pathlib
 import re
 import sys
 
-from .cli import build_parsers, env_name, shown_default
+from .cli import build_parsers
+from .flags import env_name, shown_default
 
 COMMAND = "python -m logitserve.server.flag_table"
-BEGIN = f"<!-- generated from logitserve serve's parser by `{COMMAND}`: edit the flags' help in cli.py -->"
+BEGIN = f"<!-- generated from logitserve serve's parser by `{COMMAND}`: edit the flags' help in flags.py -->"
 END = "<!-- end of the generated flag table -->"
 _FLAG = re.compile(r"(?<![\w`-])(--[a-z][a-z0-9-]*)")
 
