@@ -32,7 +32,8 @@ from .engine.busy_poll import BusyPollEventLoop
 from .api.channel import ChannelService
 from .config import ServerConfig, address
 from .engine.device import TRITON_WARMUP_WIDTHS, DeviceHandle
-from .api.guard import Guard, GuardedRegistrar, status_for
+from .api.guard import Guard, GuardedRegistrar
+from .api.status import status_for
 from .api.held import HeldAnswers
 from .logs import get_logger, log_event
 from .metrics import Metrics

@@ -7,19 +7,7 @@ handlers. This is the work gRPC server interceptors would do, without them: with
 grpc.aio runs an interceptor pipeline per call, which costs a large share of a short call's time
 and of the server's throughput.
 
-Status codes (the one place they are decided), by exception:
-
-- :class:`~.regions.RegionNotFound`: NOT_FOUND (no such region of the caller); also
-  :class:`~.errors.NotFound` (no such KServe model);
-- :class:`~.regions.RegionExists`: ALREADY_EXISTS (a region name registered twice);
-- ``ValueError``, ``TypeError``: INVALID_ARGUMENT, with the message;
-- :class:`~.errors.TooLarge`, :class:`~.errors.QueueFull`, ``torch.OutOfMemoryError``:
-  RESOURCE_EXHAUSTED (out of device memory, the caller may retry smaller or elsewhere);
-- :class:`~.errors.DeadlineExpired`, ``asyncio.TimeoutError``: DEADLINE_EXCEEDED;
-- :class:`~.errors.Draining`: UNAVAILABLE;
-- :class:`~.errors.Unauthenticated`: UNAUTHENTICATED; :class:`~.errors.Unsupported`: FAILED_PRECONDITION;
-- ``asyncio.CancelledError``, a stream's ``GeneratorExit``: CANCELLED (the client left; re-raised);
-- anything else (a device fault): INTERNAL; that call fails, the server goes on.
+Status codes are decided in one place, :mod:`.status`.
 """
 
 from __future__ import annotations
@@ -34,14 +22,12 @@ import time
 from dataclasses import dataclass
 
 import grpc
-import torch
 from logitserve.v1.channel_format import MAX_REQUEST_ID  # the longest x-request-id accepted (below)
 
-from ..errors import (DeadlineExpired, Draining, NotFound, QueueFull, TooLarge, Unauthenticated, Unsupported,
-                     exception_chain)
+from ..errors import Draining, TooLarge, Unauthenticated, exception_chain
 from ..identity import authorization_of
 from ..logs import get_logger, log_event
-from ..regions import RegionExists, RegionNotFound
+from .status import status_for
 
 log = get_logger("rpc")
 
@@ -52,26 +38,6 @@ REQUEST_ID_KEY = "x-request-id"
 # Where admit() notes an over-long id in the call's metadata dict: gRPC delivers lowercase keys
 # only, so no client can send it.
 _LONG_ID = "Long-Request-Id"
-
-_STATUS = (
-    ((RegionNotFound, NotFound), grpc.StatusCode.NOT_FOUND),
-    ((RegionExists,), grpc.StatusCode.ALREADY_EXISTS),
-    ((ValueError, TypeError), grpc.StatusCode.INVALID_ARGUMENT),
-    ((TooLarge, QueueFull, torch.OutOfMemoryError), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ((DeadlineExpired, asyncio.TimeoutError), grpc.StatusCode.DEADLINE_EXCEEDED),
-    ((Draining,), grpc.StatusCode.UNAVAILABLE),
-    ((Unauthenticated,), grpc.StatusCode.UNAUTHENTICATED),
-    ((Unsupported,), grpc.StatusCode.FAILED_PRECONDITION),
-)
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a failed call answers with."""
-    for types, code in _STATUS:
-        if isinstance(exc, types):
-            return code, str(exc) or type(exc).__name__
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}): {exc}"
-
 
 @dataclass
 class CallRecord:

@@ -32,7 +32,8 @@ from logitserve.kserve import grpc_service_pb2 as kpb
 from logitserve.kserve import grpc_service_pb2_grpc as kpb_grpc
 
 from ...errors import Draining
-from ..guard import let_go, note_rows, status_for
+from ..guard import let_go, note_rows
+from ..status import status_for
 from ...regions import CUDA, SYSTEM, CallRegions, RegionNotFound
 from ...regions.servicer import caller
 from . import translate
