@@ -119,46 +119,70 @@ class Engine:
             self.device_flags.fill_(RELEASE)
 
 
+def expect(conn, what=None, timeout_s: float = 120.0):
+    """The server's next message: ``what`` if given, else whatever it is; its error raised."""
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"no {what or 'answer'!r} from the server in {timeout_s} s")
+    got = conn.recv()
+    if isinstance(got, tuple) and got and got[0] == "error":
+        raise RuntimeError(f"server: {got[1]}")
+    if what is not None and got != what:
+        raise RuntimeError(f"server answered {got!r}, not {what!r}")
+    return got
+
+
 def run_modes(torch, engine: Engine, conn, cycles_per_us: float, forwards_us: list[int], repeats: int,
               modes: list[str]) -> list[dict]:
     rows = []
-    ops = engine.ops
-    steps = engine.steps
     for forward_us in forwards_us:
         cycles = int(forward_us * cycles_per_us)
         for repeat in range(repeats):
             for mode in modes:
                 engine.reset()
-                if mode == "in_process":
-                    def enqueue():
-                        for n in range(steps):
-                            if cycles:
-                                torch.cuda._sleep(cycles)
-                            sample_step(torch, engine.logits, engine.tokens, n)
-                    us = engine.timed(enqueue)
-                elif mode in ("device_flags", "host_flags", "graph_wait"):
-                    base = engine.device_flags.data_ptr() if mode != "host_flags" else engine.host_flag_ptr
-                    conn.send((mode, steps))
-                    assert conn.recv() == "enqueued"
-                    graph = mode == "graph_wait"
-
-                    def enqueue():
-                        for n in range(1, steps + 1):
-                            if cycles:
-                                torch.cuda._sleep(cycles)
-                            ops.write(engine.stream, base + 8 * READY, 1 if graph else n)
-                            ops.wait(engine.stream, base + 8 * DONE, 1 if graph else n, equal=graph)
-                            if graph:
-                                ops.write(engine.stream, base + 8 * DONE, 0)
-                    us = engine.timed(enqueue)
-                    assert conn.recv() == "finished"
-                elif mode == "ipc_events":
-                    us = ipc_event_steps(torch, engine, conn, cycles)
-                else:
-                    raise ValueError(mode)
+                try:
+                    us = run_mode(torch, engine, conn, mode, cycles)
+                except Exception as exc:  # noqa: BLE001 - recorded, the other modes go on
+                    engine.release()
+                    torch.cuda.synchronize()
+                    rows.append({"mode": mode, "forward_us": forward_us, "repeat": repeat, "error": repr(exc)})
+                    print(f"{mode:>14} forward {forward_us:>5} us  repeat {repeat}: {exc!r}", flush=True)
+                    continue
                 rows.append({"mode": mode, "forward_us": forward_us, "repeat": repeat, "us_per_step": us})
                 print(f"{mode:>14} forward {forward_us:>5} us  repeat {repeat}: {us:9.1f} us/step", flush=True)
     return rows
+
+
+def run_mode(torch, engine: Engine, conn, mode: str, cycles: int) -> float:
+    """One run of ``mode``: the GPU's microseconds per step."""
+    ops, steps = engine.ops, engine.steps
+    if mode == "in_process":
+        def enqueue():
+            for n in range(steps):
+                if cycles:
+                    torch.cuda._sleep(cycles)
+                sample_step(torch, engine.logits, engine.tokens, n)
+        us = engine.timed(enqueue)
+    elif mode in ("device_flags", "host_flags", "graph_wait"):
+        base = engine.device_flags.data_ptr() if mode != "host_flags" else engine.host_flag_ptr
+        conn.send((mode, steps))
+        expect(conn, "enqueued")
+        graph = mode == "graph_wait"
+
+        def enqueue():
+            for n in range(1, steps + 1):
+                if cycles:
+                    torch.cuda._sleep(cycles)
+                ops.write(engine.stream, base + 8 * READY, 1 if graph else n)
+                ops.wait(engine.stream, base + 8 * DONE, 1 if graph else n, equal=graph)
+                if graph:
+                    ops.write(engine.stream, base + 8 * DONE, 0)
+        us = engine.timed(enqueue)
+        expect(conn, "finished")
+    elif mode == "ipc_events":
+        us = ipc_event_steps(torch, engine, conn, cycles)
+    else:
+        raise ValueError(mode)
+    return us
 
 
 def ipc_event_steps(torch, engine: Engine, conn, cycles: int) -> float:
@@ -166,7 +190,7 @@ def ipc_event_steps(torch, engine: Engine, conn, cycles: int) -> float:
     steps = engine.steps
     mine = torch.cuda.Event(interprocess=True, blocking=False)
     conn.send(("ipc_events", steps, mine.ipc_handle()))
-    theirs = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), conn.recv())
+    theirs = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), expect(conn))
     start = time.perf_counter()
     with torch.cuda.stream(engine.stream):
         for _ in range(steps):
@@ -174,7 +198,7 @@ def ipc_event_steps(torch, engine: Engine, conn, cycles: int) -> float:
                 torch.cuda._sleep(cycles)
             mine.record(engine.stream)
             conn.send("recorded")
-            assert conn.recv() == "recorded"
+            expect(conn, "recorded")
             engine.stream.wait_event(theirs)
     engine.stream.synchronize()
     return (time.perf_counter() - start) * 1e6 / steps
@@ -226,7 +250,7 @@ def one_round(label: str, args, modes: list[str]) -> dict:
                                                    engine.tokens))
     proc.start()
     try:
-        assert parent.recv() == "ready"
+        expect(parent, "ready")
         rows = run_modes(torch, engine, parent, cycles_per_us, args.forwards, args.repeats, modes)
         parent.send(("stop",))
     finally:

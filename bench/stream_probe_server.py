@@ -102,7 +102,7 @@ def serve(conn, device_flags, shm_name: str, logits, tokens) -> None:
     shm = shared_memory.SharedMemory(name=shm_name)
     host_base = ops.register_host(shm)
     stream = torch.cuda.Stream()
-    graph = None
+    graphs = {}
     conn.send("ready")
     try:
         while True:
@@ -110,43 +110,54 @@ def serve(conn, device_flags, shm_name: str, logits, tokens) -> None:
             mode = message[0]
             if mode == "stop":
                 return
-            if mode in ("device_flags", "host_flags"):
-                base = device_flags.data_ptr() if mode == "device_flags" else host_base
-                with torch.cuda.stream(stream):
-                    for n in range(1, message[1] + 1):
-                        ops.wait(stream, base + 8 * READY, n)
-                        sample_step(torch, logits, tokens, n)
-                        ops.write(stream, base + 8 * DONE, n)
-                conn.send("enqueued")
-                conn.send(_finish(torch, stream))
-            elif mode == "graph_wait":
-                base = device_flags.data_ptr()
-                if graph is None:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=stream):
-                        capturing = torch.cuda.current_stream()
-                        ops.wait(capturing, base + 8 * READY, 1, equal=True)
-                        ops.write(capturing, base + 8 * READY, 0)
-                        sample_step(torch, logits, tokens, 0)
-                        ops.write(capturing, base + 8 * DONE, 1)
-                with torch.cuda.stream(stream):
-                    for _ in range(message[1]):
-                        graph.replay()
-                conn.send("enqueued")
-                conn.send(_finish(torch, stream))
-            elif mode == "ipc_events":
-                steps, handle = message[1], message[2]
-                theirs = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), handle)
-                mine = torch.cuda.Event(interprocess=True, blocking=False)
-                conn.send(mine.ipc_handle())
-                with torch.cuda.stream(stream):
-                    for n in range(steps):
-                        assert conn.recv() == "recorded"
-                        stream.wait_event(theirs)
-                        sample_step(torch, logits, tokens, n)
-                        mine.record(stream)
-                        conn.send("recorded")
+            try:
+                _serve_one(torch, ops, conn, message, device_flags, host_base, logits, tokens, stream, graphs)
+            except Exception as exc:  # noqa: BLE001 - the engine records it and goes on
                 stream.synchronize()
+                conn.send(("error", f"{mode}: {exc!r}"))
     finally:
         ops.unregister_host(shm)
         shm.close()
+
+
+def _serve_one(torch, ops, conn, message, device_flags, host_base: int, logits, tokens, stream, graphs: dict):
+    """One mode's steps: enqueued ahead behind their waits, then "enqueued" and how they ended."""
+    mode = message[0]
+    if mode in ("device_flags", "host_flags"):
+        base = device_flags.data_ptr() if mode == "device_flags" else host_base
+        with torch.cuda.stream(stream):
+            for n in range(1, message[1] + 1):
+                ops.wait(stream, base + 8 * READY, n)
+                sample_step(torch, logits, tokens, n)
+                ops.write(stream, base + 8 * DONE, n)
+        conn.send("enqueued")
+        conn.send(_finish(torch, stream))
+    elif mode == "graph_wait":
+        base = device_flags.data_ptr()
+        graph = graphs.get("step")
+        if graph is None:
+            graph = graphs["step"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                capturing = torch.cuda.current_stream()
+                ops.wait(capturing, base + 8 * READY, 1, equal=True)
+                ops.write(capturing, base + 8 * READY, 0)
+                sample_step(torch, logits, tokens, 0)
+                ops.write(capturing, base + 8 * DONE, 1)
+        with torch.cuda.stream(stream):
+            for _ in range(message[1]):
+                graph.replay()
+        conn.send("enqueued")
+        conn.send(_finish(torch, stream))
+    elif mode == "ipc_events":
+        steps, handle = message[1], message[2]
+        theirs = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), handle)
+        mine = torch.cuda.Event(interprocess=True, blocking=False)
+        conn.send(mine.ipc_handle())
+        with torch.cuda.stream(stream):
+            for n in range(steps):
+                assert conn.recv() == "recorded"
+                stream.wait_event(theirs)
+                sample_step(torch, logits, tokens, n)
+                mine.record(stream)
+                conn.send("recorded")
+        stream.synchronize()
