@@ -4,11 +4,12 @@ passes while the device is busy: the same status code and message over both tran
 same bytes sent raw, and through the clients). Malformed channel requests (short, unknown
 method, request id past the end, not the method's message, unknown key) are refused with a
 message naming what is wrong, and the server serves on. ``--channels off``: OpenChannel is
-FAILED_PRECONDITION and a channel client fails with it at once.
+FAILED_PRECONDITION and a channel client calls over gRPC, saying so once.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -271,20 +272,22 @@ def test_malformed_channel_requests_are_refused(server, raw, clients):
     _settled(server)
 
 
-def test_channels_off():
+def test_channels_off(caplog):
     config = ServerConfig(host="127.0.0.1", port=0, device="cpu", backend="torch", warmup_dtypes=(), channels=False)
-    with ServerThread(config) as server:
+    with ServerThread(config) as server, Client(server.target, timeout=10) as over_grpc:
         with pytest.raises(grpc.RpcError) as info:
             open_channel(server.target)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert info.value.details() == "channels: this server runs with --channels off; call over gRPC"
-        started = time.monotonic()
-        with Client(server.target, timeout=10, channel="shm") as client:
-            error = _fails(client, lambda c: c.sample(X, seed=1))
-        assert (error.code, error.details) == (info.value.code(), info.value.details())
-        assert time.monotonic() - started < 5
-        with Client(server.target, timeout=10) as over_grpc:
-            assert over_grpc.sample(X, seed=1).valid.all()  # gRPC serves as ever
+        with Client(server.target, timeout=10, channel="shm") as client, \
+                caplog.at_level(logging.WARNING, logger="logitserve.client"):
+            for seed in range(3):
+                assert_same(client.sample(X, seed=seed), over_grpc.sample(X, seed=seed))
+            assert client.server_info().version
+            assert not client._same_host.is_open
+        [said] = [record.getMessage() for record in caplog.records if record.name == "logitserve.client"]
+        assert said.startswith("channel='shm': no same-host channel, calling over gRPC (OpenChannel: "
+                               "FAILED_PRECONDITION: channels: this server runs with --channels off; call over gRPC)")
 
 
 def test_ports_that_cannot_be_made_leave_grpc_serving(monkeypatch):

@@ -9,6 +9,14 @@ then waits for the answer: it polls for ``poll_us``, then sleeps on the channel'
 request over the channel's limit goes by gRPC. One call at a time crosses a channel: calls from
 several threads (or an AsyncClient's tasks) queue for it; open one client per thread for more.
 
+The channel is an optimisation: a client that cannot have one (the server has channels off, has
+all it may open, or has given this token its share; the server is on another host; its
+``/dev/shm`` is short) calls over gRPC, says so once in its log (logger ``logitserve.client``)
+and asks again every ``reopen_after_s`` (:class:`SameHost`, 30 s). A request ``/dev/shm`` has no room for goes by gRPC
+(its pages are reserved before it is written: logitserve.v1.channel_memory). A channel idle past
+the server's sweep lets go of its ports (its iceoryx2 node and port take one of the service's
+places for callers, which a live idle client would otherwise keep).
+
 Errors are raised as :class:`ChannelError`, a ``grpc.RpcError`` with the server's status code and
 message, so the client retries and reports them as it does gRPC's.
 """
@@ -17,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -24,24 +34,37 @@ from dataclasses import dataclass
 import grpc
 
 from logitserve.v1 import channel_format as fmt
+from logitserve.v1 import channel_memory
 from logitserve.v1 import logitserve_pb2 as pb
 
+from .same_host_ports import INITIAL_SLICE_BYTES, NoChannelHere, Ports
 from .transport import time_left
 
-# Longest a waiting call sleeps before it looks again without being woken: bounds how late it
-# learns of an answer whose notification it cannot get (a key the server no longer knows) or of
-# a server that has gone.
-WAIT_SLICE_S = 0.005
 # How often a call waiting for its answer asks iceoryx2 to clean up the ports of dead processes
 # (a few ms each): bounds how late it learns that its server was killed.
 DEAD_SERVER_CHECK_S = 0.25
+# OpenChannel's refusals that mean "no channel for you now": channels off or not built in
+# (FAILED_PRECONDITION), a server without them (UNIMPLEMENTED), all taken, the token's share
+# taken, no room in /dev/shm (RESOURCE_EXHAUSTED). Any other error is the call's.
+NO_CHANNEL_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+log = logging.getLogger("logitserve.client")
 
 
 @dataclass(frozen=True)
 class SameHost:
-    """A same-host channel; ``poll_us``: how long a call polls for its answer before sleeping."""
+    """A same-host channel; ``poll_us``: how long a call polls for its answer before sleeping;
+    ``reopen_after_s``: how long a client that could not have a channel calls over gRPC before
+    it asks for one again."""
 
     poll_us: int = 200
+    reopen_after_s: float = 30.0
+
+    def __post_init__(self):
+        value = self.reopen_after_s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"SameHost.reopen_after_s: must be a finite number of seconds >= 0, got {value!r}")
 
 
 class ChannelError(grpc.RpcError):
@@ -72,72 +95,94 @@ def options(channel) -> SameHost | None:
     raise ValueError(f"channel: must be 'grpc', 'shm' or a SameHost(...), got {channel!r}")
 
 
-class _Ports:
-    """The iceoryx2 ports of one open channel."""
-
-    def __init__(self, opened: pb.OpenChannelResponse):
-        try:
-            import importlib.metadata
-
-            import iceoryx2 as iox2
-        except ImportError as exc:
-            raise ChannelError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"channel='shm' needs iceoryx2 ({exc}): pip install 'logitserve[channel]'") from None
-        installed = importlib.metadata.version("iceoryx2")
-        if installed != opened.iceoryx2_version:
-            raise ChannelError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"channel: the server runs iceoryx2 {opened.iceoryx2_version}, this client "
-                               f"{installed}; install iceoryx2=={opened.iceoryx2_version}")
-        if opened.format_version != fmt.FORMAT_VERSION:
-            raise ChannelError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"channel: the server speaks format {opened.format_version}, this client "
-                               f"{fmt.FORMAT_VERSION}")
-        iox2.set_log_level_from_env_or(iox2.LogLevel.Error)
-        byte_slice = iox2.Slice[ctypes.c_uint8]
-        self.node = node = iox2.NodeBuilder.new().create(iox2.ServiceType.Ipc)
-
-        def service(name):
-            return node.service_builder(iox2.ServiceName.new(name))
-
-        self.calls = service(opened.service_name).request_response(byte_slice, byte_slice).open()
-        self.client = (self.calls.client_builder().initial_max_slice_len(4096)
-                       .allocation_strategy(iox2.AllocationStrategy.PowerOfTwo).create())
-        self.wake_service = service(opened.server_event).event().open()
-        self.wake = self.wake_service.notifier_builder().create()
-        self.answered_service = service(opened.client_event).event().open()
-        self.answered = self.answered_service.listener_builder().create()
-        self.slice_wait = iox2.Duration.from_secs_f64(WAIT_SLICE_S)
-        self.key = opened.key
-        self.max_request_bytes = opened.max_request_bytes
-
-
 class SameHostChannel:
     """One channel to one server: its ports while open (OpenChannel's answer, taken through gRPC
     by :func:`bind`'s methods), one call at a time through them."""
 
     def __init__(self, settings: SameHost):
         self._poll_s = settings.poll_us * 1e-6
-        self._ports: _Ports | None = None
+        self._reopen_after_s = settings.reopen_after_s
+        self._ports: Ports | None = None
         self._lock = threading.Lock()
         self._opening = threading.Lock()  # one OpenChannel at a time: threads share the one channel
         self.opens = 0  # channels opened so far (a new one after the server forgot the last)
+        self._ask_again_at = 0.0  # no OpenChannel before this (time.monotonic): none could be had
+        self._said: set[str] = set()  # what has been logged, once each
+        self._last_used = 0.0
+        self._idle_timer: threading.Timer | None = None
 
-    def ports(self, open_channel) -> _Ports:
-        """The open channel's ports; ``open_channel()`` (OpenChannel's answer, bytes) first
-        where none is open."""
+    def ports(self, open_channel, close_channel) -> Ports | None:
+        """The open channel's ports; where none is open, OpenChannel's answer first
+        (``open_channel()``: its bytes, or grpc.RpcError); None where no channel can be had
+        (``close_channel(key)`` closes one the server opened whose ports cannot be made here)."""
         with self._opening:
-            if self._ports is None:
-                self.install(open_channel())
+            if self.may_open():
+                try:
+                    opened = open_channel()
+                except grpc.RpcError as exc:
+                    self.refused(exc)
+                else:
+                    unusable = self.take(opened)
+                    if unusable is not None:
+                        close_channel(unusable)
             return self._ports
 
-    def install(self, opened: bytes) -> _Ports:
-        """OpenChannel's answer, kept unless a channel is open already (another task opened one)."""
-        if self._ports is None:
-            self._ports = _Ports(pb.OpenChannelResponse.FromString(opened))
-            self.opens += 1
-        return self._ports
+    def may_open(self) -> bool:
+        """Whether to ask for a channel now: none is open, and none was refused lately."""
+        return self._ports is None and time.monotonic() >= self._ask_again_at
 
-    def _forget(self, ports: _Ports) -> None:
+    def take(self, opened: bytes) -> bytes | None:
+        """Make the ports of OpenChannel's answer ``opened``; where they cannot be made here, the
+        client calls by gRPC, and the channel's key is returned for the caller to close."""
+        response = pb.OpenChannelResponse.FromString(opened)
+        try:
+            ports = Ports(response)
+        except NoChannelHere as exc:
+            self._go_without(f"the server's channel is of no use here: {exc}")
+            return response.key
+        self._ports = ports
+        self.opens += 1
+        self._last_used = time.monotonic()
+        self._release_when_idle(ports.release_after_s)
+        return None
+
+    def refused(self, exc: grpc.RpcError) -> None:
+        """OpenChannel failed with ``exc``: raised again, unless it says no channel can be had."""
+        if exc.code() not in NO_CHANNEL_CODES:
+            raise exc
+        self._go_without(f"OpenChannel: {exc.code().name}: {exc.details()}")
+
+    def _go_without(self, reason: str) -> None:
+        self._ask_again_at = time.monotonic() + self._reopen_after_s
+        self.say_once("no channel", f"channel='shm': no same-host channel, calling over gRPC ({reason}); asking "
+                                    f"again every {self._reopen_after_s:g} s")
+
+    def say_once(self, what: str, message: str) -> None:
+        """Log ``message`` (a warning) the first time ``what`` happens to this client."""
+        if what not in self._said:
+            self._said.add(what)
+            log.warning(message)
+
+    def _release_when_idle(self, after_s: float) -> None:
+        timer = threading.Timer(after_s, self._release_if_idle)
+        timer.daemon = True
+        self._idle_timer = timer
+        timer.start()
+
+    def _release_if_idle(self) -> None:
+        """The idle timer: let go of the ports once the server has closed their channel (past its
+        idle time and sweep), or look again when a call came meanwhile."""
+        with self._opening, self._lock:
+            ports = self._ports
+            if ports is None:
+                return
+            left = self._last_used + ports.release_after_s - time.monotonic()
+            if left > 0:
+                self._release_when_idle(left)
+            else:
+                self._ports = None
+
+    def _forget(self, ports: Ports) -> None:
         """Drop ``ports`` (the server forgot their channel, or has gone), unless another call
         has opened a new channel since."""
         if self._ports is ports:
@@ -152,33 +197,29 @@ class SameHostChannel:
         return None if self._ports is None else self._ports.key
 
     @staticmethod
-    def fits(ports: _Ports, request: bytes) -> bool:
+    def fits(ports: Ports, request: bytes) -> bool:
         """Whether the server takes ``request`` by the channel: max_request_bytes leaves room for
         a request id, which this client does not send."""
         return fmt.REQUEST_HEADER.size + fmt.MAX_REQUEST_ID + len(request) <= ports.max_request_bytes
 
-    def call(self, ports: _Ports, method: str, request: bytes, timeout: float | None) -> bytes:
+    def call(self, ports: Ports, method: str, request: bytes, timeout: float | None) -> bytes:
         """The answer's response message to ``request``, sent through ``ports``; raises
-        :class:`ChannelError`."""
+        :class:`ChannelError`, or channel_memory.NoRoom (nothing sent) where ``/dev/shm`` has no
+        room for the request."""
         deadline = None if timeout is None else time.perf_counter() + timeout
         head = fmt.REQUEST_HEADER.pack(ports.key, fmt.METHOD_NUMBERS[method], 0,
                                        0 if timeout is None else max(1, int(timeout * 1e6)))
+        size = len(head) + len(request)
         with self._lock:
             try:
-                out = ports.client.loan_slice_uninit(len(head) + len(request))
-                at = out.payload().data_ptr
-                ctypes.memmove(at, head, len(head))
-                ctypes.memmove(at + len(head), request, len(request))
-                pending = out.assume_init().send()
-            except Exception as exc:  # noqa: BLE001 - iceoryx2's loan and send errors
-                raise ChannelError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"channel: cannot send ({exc!r}): its slots are held by earlier calls whose "
-                                   f"deadlines passed before the server answered them; retry later") from None
-            ports.wake.notify()
-            try:
-                answer = self._wait(ports, pending, deadline)
+                pending = self._send(ports, head, request, size)
+                ports.wake.notify()
+                try:
+                    answer = self._wait(ports, pending, deadline)
+                finally:
+                    pending.delete()
             finally:
-                pending.delete()
+                self._last_used = time.monotonic()
         code, _request_id, details, message = fmt.read_answer(answer)
         if code != 0:
             if details.startswith(fmt.UNKNOWN_KEY):
@@ -186,7 +227,31 @@ class SameHostChannel:
             raise ChannelError(_CODES.get(code, grpc.StatusCode.UNKNOWN), details)
         return message
 
-    def _wait(self, ports: _Ports, pending, deadline: float | None) -> bytes:
+    @staticmethod
+    def _send(ports: Ports, head: bytes, request: bytes, size: int):
+        """Write the request into reserved pages of a loaned slice and send it: its pending answer."""
+        if size > INITIAL_SLICE_BYTES:  # a loan past the first slots may make iceoryx2 write a new segment
+            channel_memory.check_room("channel: the request", size)
+        try:
+            out = ports.client.loan_slice_uninit(size)
+        except Exception as exc:  # noqa: BLE001 - iceoryx2's loan errors
+            raise ChannelError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"channel: cannot send ({exc!r}): its slots are held by earlier calls whose "
+                               f"deadlines passed before the server answered them; retry later") from None
+        at = out.payload().data_ptr
+        try:
+            channel_memory.reserve("channel: the request", at, size)
+        except channel_memory.NoRoom:
+            out.delete()
+            raise
+        ctypes.memmove(at, head, len(head))
+        ctypes.memmove(at + len(head), request, len(request))
+        try:
+            return out.assume_init().send()
+        except Exception as exc:  # noqa: BLE001 - iceoryx2's send errors: the server's port is gone
+            raise ChannelError(grpc.StatusCode.UNAVAILABLE, f"channel: cannot send ({exc!r})") from None
+
+    def _wait(self, ports: Ports, pending, deadline: float | None) -> bytes:
         poll_until = time.perf_counter() + self._poll_s
         look_for_dead_at = poll_until + DEAD_SERVER_CHECK_S
         while True:
@@ -216,6 +281,8 @@ class SameHostChannel:
             ports.answered.timed_wait(ports.slice_wait)
 
     def close(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         self._ports = None
 
 
@@ -235,18 +302,34 @@ def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel |
     grpc_methods = dict(grpc_methods)  # gRPC's own: the caller puts the carried methods in its dict
     open_request = pb.OpenChannelRequest().SerializeToString()
 
+    def close_request(key: bytes) -> bytes:
+        return pb.CloseChannelRequest(key=key).SerializeToString()
+
+    def by_grpc(exc: channel_memory.NoRoom) -> None:
+        same_host.say_once("no room", f"channel='shm': {exc}; such calls go over gRPC")
+
     opening = None  # the AsyncClient's lock around OpenChannel (made on its loop)
 
     def blocking(name):
+        def close_channel(key, deadline, metadata):
+            try:
+                grpc_methods["CloseChannel"](close_request(key), timeout=time_left(deadline), metadata=metadata)
+            except grpc.RpcError:
+                pass  # best effort: the server closes it when idle
+
         def method(request, timeout=None, metadata=()):
             deadline = _deadline(timeout)
             for resend in (False, True):
-                ports = same_host.ports(lambda: grpc_methods["OpenChannel"](
-                    open_request, timeout=time_left(deadline), metadata=metadata))
-                if not same_host.fits(ports, request):
+                ports = same_host.ports(
+                    lambda: grpc_methods["OpenChannel"](open_request, timeout=time_left(deadline), metadata=metadata),
+                    lambda key: close_channel(key, deadline, metadata))
+                if ports is None or not same_host.fits(ports, request):
                     return grpc_methods[name](request, timeout=time_left(deadline), metadata=metadata)
                 try:
                     return same_host.call(ports, name, request, time_left(deadline))
+                except channel_memory.NoRoom as exc:
+                    by_grpc(exc)
+                    return grpc_methods[name](request, timeout=time_left(deadline), metadata=metadata)
                 except ChannelError as exc:
                     if resend or not exc.details().startswith(fmt.UNKNOWN_KEY):
                         raise
@@ -254,18 +337,37 @@ def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel |
         return method
 
     def awaitable(name):
-        async def method(request, timeout=None, metadata=()):
+        async def ports_for(deadline, metadata) -> Ports | None:
             nonlocal opening
+            opening = opening or asyncio.Lock()
+            async with opening:
+                if same_host.may_open():
+                    try:
+                        opened = await grpc_methods["OpenChannel"](open_request, timeout=time_left(deadline),
+                                                                   metadata=metadata)
+                    except grpc.RpcError as exc:
+                        same_host.refused(exc)
+                    else:
+                        unusable = same_host.take(opened)
+                        if unusable is not None:
+                            try:
+                                await grpc_methods["CloseChannel"](close_request(unusable),
+                                                                   timeout=time_left(deadline), metadata=metadata)
+                            except grpc.RpcError:
+                                pass  # best effort: the server closes it when idle
+                return same_host._ports
+
+        async def method(request, timeout=None, metadata=()):
             deadline = _deadline(timeout)
             for resend in (False, True):
-                opening = opening or asyncio.Lock()
-                async with opening:
-                    ports = same_host._ports or same_host.install(await grpc_methods["OpenChannel"](
-                        open_request, timeout=time_left(deadline), metadata=metadata))
-                if not same_host.fits(ports, request):
+                ports = await ports_for(deadline, metadata)
+                if ports is None or not same_host.fits(ports, request):
                     return await grpc_methods[name](request, timeout=time_left(deadline), metadata=metadata)
                 try:
                     return await asyncio.to_thread(same_host.call, ports, name, request, time_left(deadline))
+                except channel_memory.NoRoom as exc:
+                    by_grpc(exc)
+                    return await grpc_methods[name](request, timeout=time_left(deadline), metadata=metadata)
                 except ChannelError as exc:
                     if resend or not exc.details().startswith(fmt.UNKNOWN_KEY):
                         raise
@@ -278,8 +380,9 @@ def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel |
 def closing_calls(same_host: SameHostChannel | None, unregister_requests):
     """The best-effort calls a closing client makes, as ``(rpc, request bytes)``: CloseChannel
     for its open channel (whose ports it then drops), then ``unregister_requests``'."""
-    if same_host is not None and same_host.key is not None:
-        yield "CloseChannel", pb.CloseChannelRequest(key=same_host.key).SerializeToString()
+    if same_host is not None:
+        if same_host.key is not None:
+            yield "CloseChannel", pb.CloseChannelRequest(key=same_host.key).SerializeToString()
         same_host.close()
     for request in unregister_requests:
         yield "UnregisterSharedMemory", request

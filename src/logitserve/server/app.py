@@ -156,7 +156,9 @@ class Service:
         pb_grpc.add_LogitServeServicer_to_server(LogitServeServicer(self), guarded)
         # Same-host channels reach LogitServe's guarded handlers, as gRPC does (server/api/channel/).
         self.channels = ChannelService(config.channels, config.max_channels, config.channel_idle_s,
-                                       config.max_message_bytes, guarded.handlers, self.occupancy)
+                                       config.max_message_bytes, guarded.handlers, self.occupancy,
+                                       token_share=config.token_share, tokens_on=self.tokens is not None,
+                                       registry=self.metrics.registry)
         regions_servicer.add_to_server(self.regions, guarded)
         kserve.add_to_server(self, guarded)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, guarded)

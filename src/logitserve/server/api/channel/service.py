@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import time
 
 import grpc
+from prometheus_client.core import GaugeMetricFamily
 
 from logitserve.v1 import channel_format as fmt
+from logitserve.v1 import channel_memory
 from logitserve.v1 import logitserve_pb2 as pb
 
 from ...engine.busy_poll import BusyPollEventLoop
-from ...errors import Unsupported
+from ...errors import TooLarge, Unsupported
 from ...logs import get_logger, log_event
+from ...tenancy import per_token_bound
 from . import transport
 from .context import ChannelCallContext
 from .table import ChannelTable
@@ -30,22 +34,46 @@ from .table import ChannelTable
 log = get_logger("channel")
 
 LOGITSERVE = pb.DESCRIPTOR.services_by_name["LogitServe"].full_name
+# How long a stopping server keeps its ports for callers to read the answers it has sent (iceoryx2
+# drops those not yet received with the ports): a live caller reads within milliseconds, a dead
+# one is let go of by the clean-up of dead nodes; only a stopped caller (SIGSTOP) takes it all.
+COLLECT_S = 1.0
+SHM_ADVICE = "call over gRPC, or give the server's host more /dev/shm (e.g. docker run --shm-size)"
 
 
 def _status_code(code: grpc.StatusCode) -> int:
     return code.value[0]
 
 
+class ChannelCounts:
+    """``logitserve_channels_open{owner}``, read from the table at each scrape: owners are the
+    regions' (owner_of: a digest of the token, never the token; empty without one)."""
+
+    def __init__(self, table: ChannelTable):
+        self._table = table
+
+    def collect(self):
+        family = GaugeMetricFamily("logitserve_channels_open", "Same-host channels open, by the owner id of the "
+                                   "token that opened them (empty without a token)", labels=["owner"])
+        for owner, count in sorted(self._table.by_owner().items(), key=lambda item: item[0] or ""):
+            family.add_metric([owner or ""], count)
+        yield family
+
+
 class ChannelService:
     """Channels of one server process. ``handlers``: the guarded handlers by method path (what
-    GuardedRegistrar registered with gRPC); ``max_message_bytes``: the limit of requests and answers."""
+    GuardedRegistrar registered with gRPC); ``max_message_bytes``: the limit of requests and answers;
+    ``token_share`` of ``max_channels`` is one token's where ``tokens_on``; ``registry``: the
+    metrics' registry, which gets the channels open by owner."""
 
     def __init__(self, enabled: bool, max_channels: int, idle_s: float, max_message_bytes: int, handlers: dict,
-                 occupancy=None):
+                 occupancy=None, *, token_share: float = 1.0, tokens_on: bool = False, registry=None):
         self._unavailable = None if enabled else "this server runs with --channels off"
         if self._unavailable is None:
             self._unavailable = transport.available()
-        self._table = ChannelTable(max_channels, idle_s)
+        self._table = ChannelTable(max_channels, idle_s, per_token_bound(max_channels, token_share, tokens_on))
+        if registry is not None:
+            registry.register(ChannelCounts(self._table))
         self._max_message_bytes = max_message_bytes
         self._handlers = {number: handlers[f"/{LOGITSERVE}/{name}"] for number, name in fmt.METHODS.items()}
         self._transport: transport.Iceoryx2Transport | None = None
@@ -82,7 +110,9 @@ class ChannelService:
         return min(self._table.idle_s / 4, 60.0)
 
     def _sweep(self) -> None:
-        """Close the channels idle past their time (also done at each OpenChannel), and again later."""
+        """Close the channels idle past their time (also done at each OpenChannel), and again later;
+        free the places of callers that died."""
+        self._transport.clean_up_dead_nodes()
         closed = self._table.sweep()
         if closed:
             log_event(log, "idle channels closed", closed=closed, open=len(self._table))
@@ -91,6 +121,11 @@ class ChannelService:
     def open(self, authorization: str | None) -> pb.OpenChannelResponse:
         if self._transport is None:
             raise Unsupported(f"channels: {self._unavailable or 'the server has stopped'}; call over gRPC")
+        try:
+            # The caller's ports are written by iceoryx2 as it makes them, with nothing reserved.
+            channel_memory.check_room("channels: a channel's ports", transport.channel_bytes(self._table.max_channels))
+        except channel_memory.NoRoom as exc:
+            raise TooLarge(f"{exc}; {SHM_ADVICE}") from None
         channel = self._table.open(authorization, self._transport.event)
         return pb.OpenChannelResponse(
             service_name=self._transport.service_name, server_event=self._transport.wake_name,
@@ -108,7 +143,22 @@ class ChannelService:
         return fmt.ANSWER_HEADER.size + fmt.MAX_REQUEST_ID + self._max_message_bytes + 4096  # + the status message
 
     def _refuse(self, active, code: grpc.StatusCode, details: str, event=None) -> None:
-        self._transport.answer(active, fmt.answer(_status_code(code), b"", details.encode()), event)
+        self._send(active, fmt.answer(_status_code(code), b"", details.encode()), event)
+
+    def _send(self, active, parts: tuple[bytes, ...], event) -> None:
+        """Answer ``active`` with ``parts``; where /dev/shm has no room for them, with
+        RESOURCE_EXHAUSTED saying so (the request id kept), or with nothing where even that does not fit."""
+        try:
+            self._transport.answer(active, parts, event)
+        except channel_memory.NoRoom as exc:
+            log_event(log, "answer refused", level=logging.WARNING, reason=str(exc))
+            _, request_id, _, _ = parts  # fmt.answer's: header, request id, status message, response
+            refusal = fmt.answer(_status_code(grpc.StatusCode.RESOURCE_EXHAUSTED), request_id,
+                                 f"{exc}; {SHM_ADVICE}".encode())
+            try:
+                self._transport.answer(active, refusal, event)
+            except channel_memory.NoRoom as again:
+                self._transport.drop(active, again, event)
 
     def _on_request(self, active, address: int, size: int) -> None:
         """A request arrived (on the loop): read its header, start its call."""
@@ -157,22 +207,35 @@ class ChannelService:
             code = context.status or grpc.StatusCode.OK
             body = response if code == grpc.StatusCode.OK and response is not None else b""
             if self._transport is not None:
-                self._transport.answer(active, fmt.answer(_status_code(code), context.request_id.encode("ascii", "replace"),
-                                                          context.details.encode("utf-8", "replace"), body),
-                                       channel.event)
+                self._send(active, fmt.answer(_status_code(code), context.request_id.encode("ascii", "replace"),
+                                              context.details.encode("utf-8", "replace"), body), channel.event)
         finally:
             context.done()
 
     async def stop(self) -> None:
-        """Close every channel and the ports (after the drain: calls still here have answered or
-        are cancelled now)."""
+        """Close every channel, then the ports once the answers sent have been read (after the
+        drain: calls still here have answered or are cancelled now)."""
         if self._sweeper is not None:
             self._sweeper.cancel()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=1.0)
-        self._table.clear()
+        self._table.clear()  # a call sent from here on is refused (its key unknown), then read
         if self._transport is not None:
+            await self._until_answers_read()
             self._transport.close()
             self._transport = None
+
+    async def _until_answers_read(self) -> None:
+        """Wait, at most COLLECT_S, until every caller has let go of its answered request: closed
+        ports take the answers not yet received with them (an answer sent as a drain ended was
+        lost to a caller that had not run since)."""
+        self._transport.clean_up_dead_nodes()
+        unread = self._transport.unread()
+        if not unread:
+            return
+        log_event(log, "answers unread at stop", unread=unread, wait_s=COLLECT_S)
+        end = time.monotonic() + COLLECT_S
+        while self._transport.unread() and time.monotonic() < end:
+            await asyncio.sleep(0.002)

@@ -4,13 +4,16 @@ A channel belongs to the caller that opened it, as its regions and sequences do:
 under the ``authorization`` of the OpenChannel call (re-checked by the guard each call). Its key
 is 16 random bytes the server gives only to that caller (over gRPC, TLS where configured);
 iceoryx2's services are listed openly on the host, so the key, not the service's name, is what a
-request proves. At most ``max_channels`` are open, all callers together; one without a call for
-``idle_s`` seconds is closed when the next channel opens or the server sweeps
-(:meth:`ChannelTable.sweep`), so a client that died without closing costs only until then.
+request proves. At most ``max_channels`` are open, all callers together, and at most
+``per_token`` of them by one token (--token-share: server/tenancy.py), so that no token can take
+them all; one without a call for ``idle_s`` seconds is closed when the next channel opens or the
+server sweeps (:meth:`ChannelTable.sweep`), so a client that died without closing costs only
+until then.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import secrets
 import time
@@ -38,8 +41,9 @@ class Channel:
 
 
 class ChannelTable:
-    def __init__(self, max_channels: int, idle_s: float):
+    def __init__(self, max_channels: int, idle_s: float, per_token: int | None = None):
         self.max_channels = max_channels
+        self.per_token = max_channels if per_token is None else per_token
         self.idle_s = idle_s
         self._by_key: dict[bytes, Channel] = {}
         self._numbers = itertools.count(1)
@@ -49,17 +53,26 @@ class ChannelTable:
 
     def open(self, authorization: str | None, make_event) -> Channel:
         """A new channel of the caller ``authorization``; ``make_event(number)`` gives its
-        ``(event name, notifier)``. TooLarge past ``max_channels`` (idle ones closed first)."""
+        ``(event name, notifier)``. TooLarge past ``max_channels``, or past ``per_token`` for the
+        caller's token (idle ones closed first)."""
         self.sweep()
         if len(self._by_key) >= self.max_channels:
             raise TooLarge(f"channels: {len(self._by_key)} open, this server's limit is {self.max_channels} "
                            f"(--max-channels); close unused ones (CloseChannel) or call over gRPC")
+        owner = owner_of(authorization)
+        held = self.by_owner().get(owner, 0)
+        if held >= self.per_token:
+            raise TooLarge(f"channels: this token holds {held}, its share of this server's {self.max_channels} "
+                           f"(--max-channels, --token-share); close unused ones (CloseChannel) or call over gRPC")
         number = next(self._numbers)
         event_name, event = make_event(number)
-        channel = Channel(secrets.token_bytes(KEY_BYTES), number, authorization,
-                          owner_of(authorization), event, event_name)
+        channel = Channel(secrets.token_bytes(KEY_BYTES), number, authorization, owner, event, event_name)
         self._by_key[channel.key] = channel
         return channel
+
+    def by_owner(self) -> dict[str | None, int]:
+        """Open channels by owner (owner_of of the opener's token; None without one)."""
+        return collections.Counter(channel.owner for channel in self._by_key.values())
 
     def get(self, key: bytes) -> Channel | None:
         channel = self._by_key.get(key)

@@ -14,6 +14,13 @@ RouteExperts 1x8 call 428-553 us p50 against 264-382 us watched by the loop (two
 Receiving, answering and notifying run on the loop alone, so each port is used by one thread. A
 caller that went away mid-call leaves a request whose answer cannot be delivered: the answer is
 dropped, nothing else changes.
+
+An answer is written only into pages reserved for it (logitserve.v1.channel_memory): one that
+``/dev/shm`` has no room for raises NoRoom, for the service to refuse the call, where its write
+was a SIGBUS that ended the server. An answered request is kept until its caller lets go of it
+(has read the answer, given up, or died): iceoryx2 drops the answers a server port has sent but
+its callers not yet received when the port goes, so a stopping server keeps its ports until its
+answers are read (:meth:`Iceoryx2Transport.unread`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import logging
 import os
 import secrets
 import threading
+
+from logitserve.v1 import channel_memory
 
 from ...logs import get_logger, log_event
 
@@ -38,6 +47,17 @@ ICEORYX2_VERSION = "0.10.0"
 MAX_CALLS_PER_CHANNEL = 2
 # First size of a port's message slots; they grow by powers of two up to the channel's limit.
 INITIAL_SLICE_BYTES = 4096
+# The /dev/shm one channel takes, which iceoryx2 writes (unreserved) when its caller makes its ports:
+# 48 KiB per --max-channels (the caller's connection, sized for every caller the service may
+# have) and 80 KiB more. Measured with iceoryx2 0.10.0: 278,528 bytes at --max-channels 4,
+# 475,136 at 8, 1,650,688 at 32, 6,352,896 at 128.
+CHANNEL_BYTES_PER_MAX_CHANNEL = 48 << 10
+CHANNEL_BYTES_BASE = 80 << 10
+
+
+def channel_bytes(max_channels: int) -> int:
+    """The /dev/shm a channel of a server with ``max_channels`` takes (an upper bound)."""
+    return CHANNEL_BYTES_PER_MAX_CHANNEL * max_channels + CHANNEL_BYTES_BASE
 
 
 def available() -> str | None:
@@ -123,6 +143,7 @@ class Iceoryx2Transport:
         self._drain_scheduled = False
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._answered = []  # answered requests whose callers may not have read the answer yet
 
     def event(self, number: int) -> tuple[str, ChannelEvent]:
         """A new channel's wake-up event: ``(service name, event)``."""
@@ -174,6 +195,7 @@ class Iceoryx2Transport:
         self._drain_scheduled = False  # before receiving: a request sent from here on schedules another
         if self._closing:
             return
+        self._let_go_of_read()  # before receiving: iceoryx2 counts them in a caller's requests in flight
         while True:
             try:
                 active = self._server.receive()
@@ -188,18 +210,40 @@ class Iceoryx2Transport:
 
     def answer(self, active, parts: tuple[bytes, ...], event: ChannelEvent | None) -> None:
         """Send ``parts``, joined, as the answer to ``active`` and wake its caller (``event``,
-        when known). Each part is copied once, into the answer's shared memory."""
+        when known). Each part is copied once, into the answer's shared memory, reserved first.
+        Raises channel_memory.NoRoom, with nothing sent and ``active`` still to answer, where
+        ``/dev/shm`` has no room for the answer."""
+        size = sum(len(part) for part in parts)
+        if size > INITIAL_SLICE_BYTES:  # a loan past the first slots may make iceoryx2 write a new segment
+            channel_memory.check_room("channel: the answer", size)
         try:
-            out = active.loan_slice_uninit(sum(len(part) for part in parts))
-            at = out.payload().data_ptr
-            for part in parts:
-                ctypes.memmove(at, part, len(part))
-                at += len(part)
-            out.assume_init().send()
+            out = active.loan_slice_uninit(size)
         except Exception as exc:  # noqa: BLE001 - the caller is gone (or its slots full): the answer is dropped
-            log_event(log, "answer dropped", level=logging.DEBUG, error=repr(exc))
-        finally:
-            active.delete()
+            return self.drop(active, exc, event)
+        at = out.payload().data_ptr
+        try:
+            channel_memory.reserve("channel: the answer", at, size)
+        except channel_memory.NoRoom:
+            out.delete()
+            raise
+        for part in parts:
+            ctypes.memmove(at, part, len(part))
+            at += len(part)
+        try:
+            out.assume_init().send()
+        except Exception as exc:  # noqa: BLE001 - the caller is gone meanwhile
+            return self.drop(active, exc, event)
+        self._answered.append(active)
+        self._after_answer(event)
+
+    def drop(self, active, reason, event: ChannelEvent | None) -> None:
+        """Let go of ``active`` unanswered (its caller is gone, or no answer fits): the caller
+        sees the request let go of."""
+        log_event(log, "answer dropped", level=logging.DEBUG, error=repr(reason))
+        active.delete()
+        self._after_answer(event)
+
+    def _after_answer(self, event: ChannelEvent | None) -> None:
         if event is not None:
             event.notify()
         if not (self._closing or self._drain_scheduled) and self._server.has_requests:
@@ -207,6 +251,27 @@ class Iceoryx2Transport:
             # as no caller will wake the server for it.
             self._drain_scheduled = True
             self._loop.call_soon(self._drain)
+
+    def _let_go_of_read(self) -> None:
+        """Let go of the answered requests whose callers have let go of theirs."""
+        unread = []
+        for active in self._answered:
+            if active.is_connected:
+                unread.append(active)
+            else:
+                active.delete()
+        self._answered = unread
+
+    def unread(self) -> int:
+        """Answers sent whose callers have not let go of their requests yet (read them, given up
+        or died: a dead caller's only once its node is cleaned up, :meth:`clean_up_dead_nodes`)."""
+        self._let_go_of_read()
+        return len(self._answered)
+
+    def clean_up_dead_nodes(self) -> None:
+        """Remove the ports of processes that died (iceoryx2 does it when asked): their places in
+        the service are free again and their requests let go of."""
+        self._node.try_cleanup_dead_nodes()
 
     def close(self) -> None:
         """Stop the wake thread and drop the ports: callers see the server gone."""
@@ -216,4 +281,7 @@ class Iceoryx2Transport:
         self._stopper.notify()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        for active in self._answered:
+            active.delete()
+        self._answered = []
         self._server = self._calls = self._listener = self._stopper = self._wake = None
