@@ -9,7 +9,8 @@ launch either.
 
 Every check is torch reductions on the tensor where it lies, never a loop over elements: the
 request's bytes viewed as a CPU tensor (no copy), a system region's bytes read through its
-descriptor (one copy: the server never maps them where they could shrink under it), a CUDA
+descriptor (one copy, which the launch reads too, :class:`Reads`: the server never maps them
+where they could shrink under it), a CUDA
 region on its device (never copied to the host; offsets ``[B + 1]`` sent as bytes beside ids in
 a CUDA region go to the ids' device). The checks of fields in CUDA regions run in the call's
 launch instead (:meth:`BulkChecks.split`): their reductions queue on the launch's stream ahead
@@ -36,16 +37,32 @@ import torch
 from logitserve.kernels.sampling.params import SamplingParam
 from logitserve.kernels.sampling.processors import first_true, ragged_broken, ragged_error, row_of
 
+from ..regions.access import SystemSlice
 from ..tensors import DeviceTensor, HostTensor
 
 Checked = HostTensor | DeviceTensor
 
 
-def _read(t: Checked) -> torch.Tensor:
-    """``t`` as the checks read it: a CUDA region in place, on its device; host bytes as
-    ``HostTensor.torch`` gives them (the request's bytes viewed; a system region's bytes, which
-    the CPU reads here: the one place to change how)."""
-    return t.torch()
+class Reads:
+    """Each field's tensor as the checks read it, once: a CUDA region in place, on its device;
+    the request's bytes viewed (``HostTensor.torch``, no copy); a system region's bytes copied out
+    through its descriptor, once per call. The launch takes the same tensors
+    (sample_processors.py): what it reads is what was checked, and a list in a system region is
+    read once, not a second time after its checks (a client writing the region in between would
+    launch unchecked values)."""
+
+    __slots__ = ("_copies",)
+
+    def __init__(self):
+        self._copies: dict[Checked, torch.Tensor] = {}  # system regions' fields, by identity
+
+    def __call__(self, t: Checked) -> torch.Tensor:
+        if type(t) is not HostTensor or type(t.data) is not SystemSlice:
+            return t.torch()
+        copy = self._copies.get(t)
+        if copy is None:
+            copy = self._copies[t] = t.torch()
+        return copy
 
 
 def in_float32(param: SamplingParam) -> str:
@@ -69,15 +86,15 @@ class _Rows:
     def _floats(self) -> bool:
         return self.param.kind is float
 
-    def broken(self) -> torch.Tensor:
-        v = _read(self.values)
+    def broken(self, read: Reads) -> torch.Tensor:
+        v = read(self.values)
         ok = self.param.ok(v)
         if self._floats():
             ok &= self.param.ok(v.to(torch.float32))
         return ~ok.all()
 
-    def error(self) -> str | None:
-        v = _read(self.values)
+    def error(self, read: Reads) -> str | None:
+        v = read(self.values)
         rules = [(v, f"must be {self.param.rule}")]
         if self._floats():
             rules.append((v.to(torch.float32), in_float32(self.param)))
@@ -105,18 +122,18 @@ class _Ragged:
         """Where the list lies: the ids' place (its offsets go to them), or the offsets' alone."""
         return self.offsets if self.ids is None else self.ids
 
-    def _tensors(self) -> tuple[torch.Tensor | None, torch.Tensor]:
-        offsets = _read(self.offsets)
+    def _tensors(self, read: Reads) -> tuple[torch.Tensor | None, torch.Tensor]:
+        offsets = read(self.offsets)
         if self.ids is None:
             return None, offsets
-        ids = _read(self.ids)
+        ids = read(self.ids)
         return ids, offsets.to(ids.device)
 
-    def broken(self) -> torch.Tensor:
-        return ragged_broken(*self._tensors(), self.vocab)
+    def broken(self, read: Reads) -> torch.Tensor:
+        return ragged_broken(*self._tensors(read), self.vocab)
 
-    def error(self) -> str | None:
-        found = ragged_error(*self._tensors(), self.vocab)
+    def error(self, read: Reads) -> str | None:
+        found = ragged_error(*self._tensors(read), self.vocab)
         if found is None:
             return None
         which, message = found
@@ -136,27 +153,29 @@ class _Bias:
     def data(self) -> Checked:
         return self.values
 
-    def _float32(self) -> torch.Tensor:
-        return _read(self.values).to(torch.float32)
+    def _float32(self, read: Reads) -> torch.Tensor:
+        return read(self.values).to(torch.float32)
 
-    def broken(self) -> torch.Tensor:
-        return ~torch.isfinite(self._float32()).all()
+    def broken(self, read: Reads) -> torch.Tensor:
+        return ~torch.isfinite(self._float32(read)).all()
 
-    def error(self) -> str | None:
-        v = self._float32()
+    def error(self, read: Reads) -> str | None:
+        v = self._float32(read)
         bad = ~torch.isfinite(v)
         if not bad.any().item():
             return None
         i = first_true(bad)
-        return (f"{self.name}[{i}]: must be finite in float32 (row {row_of(_read(self.offsets), i)}), got "
+        return (f"{self.name}[{i}]: must be finite in float32 (row {row_of(read(self.offsets), i)}), got "
                 f"{v[i].item()}")
 
 
 @dataclass(eq=False)
 class BulkChecks:
-    """The element-wise checks of one call's processor fields, in field order."""
+    """The element-wise checks of one call's processor fields, in field order, and the tensors
+    they read (``read``: the launch reads the same)."""
 
     checks: list = field(default_factory=list)
+    read: Reads = field(default_factory=Reads)
 
     def rows(self, name: str, param: SamplingParam, values: Checked) -> None:
         self.checks.append(_Rows(name, param, values))
@@ -175,19 +194,19 @@ class BulkChecks:
         """``(checks of host fields, checks of fields in CUDA regions)``, each None when empty:
         the first run before the call queues (:meth:`run_off_loop`), the second in the launch
         (:meth:`in_launch`, then :meth:`error`)."""
-        host = BulkChecks([c for c in self.checks if type(c.data) is not DeviceTensor])
-        device = BulkChecks([c for c in self.checks if type(c.data) is DeviceTensor])
+        host = BulkChecks([c for c in self.checks if type(c.data) is not DeviceTensor], self.read)
+        device = BulkChecks([c for c in self.checks if type(c.data) is DeviceTensor], self.read)
         return host or None, device or None
 
     def in_launch(self) -> torch.Tensor:
         """On the launch thread, ahead of the kernels: whether any check is broken, as a 0-d bool
         tensor on the device (queued, not read; :meth:`error` makes the message)."""
-        return torch.stack([check.broken() for check in self.checks]).any()
+        return torch.stack([check.broken(self.read) for check in self.checks]).any()
 
     def error(self) -> str | None:
         """The first broken rule's message, in field order (None: none)."""
         for check in self.checks:
-            message = check.error()
+            message = check.error(self.read)
             if message is not None:
                 return message
         return None
@@ -196,7 +215,7 @@ class BulkChecks:
         """Every check (on a worker thread); ``ValueError`` naming the first broken field."""
         flags: dict[torch.device, list[torch.Tensor]] = {}
         for check in self.checks:
-            flag = check.broken()
+            flag = check.broken(self.read)
             flags.setdefault(flag.device, []).append(flag)
         if not any(torch.stack(on_device).any().item() for on_device in flags.values()):
             return

@@ -30,7 +30,7 @@ from logitserve.kernels.sampling.params import (LOGPROBS_MODES, MAX_LOGPROBS, MI
 
 from ..engine.staging import to_host
 from ..tensors import INTS, NOT_IN_PLACE, DeviceTensor, HostTensor, decode
-from .processor_checks import BulkChecks
+from .processor_checks import BulkChecks, Reads
 
 # The float fields' wire dtypes: float32, or float64 (checked in float32 too).
 _FLOAT_DTYPES = (torch.float32, torch.float64)
@@ -133,14 +133,15 @@ def _processors(msg, rows: int, vocab: int, path: str, regions, param, in_place)
     return kw, checks
 
 
-def kernel_keywords(processors: dict, device: torch.device) -> dict:
+def kernel_keywords(processors: dict, device: torch.device, read: Reads) -> dict:
     """On the launch thread: the processors' keywords as the kernels take them, every field a
     tensor on ``device`` (a CUDA region there: itself; bytes: copied in, on the CPU read where
-    they are; system regions: read through their descriptor). A list sent as its offsets alone gets empty ids, and values."""
+    they are; system regions: the copy their checks read, ``read``'s, else read through their
+    descriptor now). A list sent as its offsets alone gets empty ids, and values."""
     kw = {}
     for name, value in processors.items():
         if isinstance(value, (HostTensor, DeviceTensor)):
-            value = value.torch().to(device=device, dtype=_KERNEL_DTYPES[name])
+            value = read(value).to(device=device, dtype=_KERNEL_DTYPES[name])
         elif value is None:  # the ids (or bias values) of lists sent as offsets alone
             value = torch.empty(0, dtype=_KERNEL_DTYPES[name], device=device)
         kw[name] = value
@@ -157,7 +158,7 @@ def launch_processed(call, handle, names) -> tuple:
     logits, floats, ints = device_inputs(handle, [call.logits], [call.params[0]], [call.params[1]])
     params = dict(zip(names, (*floats.unbind(1), *ints.unbind(1))))
     broken = None if call.device_checks is None else call.device_checks.in_launch()
-    procs = kernel_keywords(call.processors or {}, logits.device)
+    procs = kernel_keywords(call.processors or {}, logits.device, _reads(call))
     extra = {} if call.logprobs is None else dict(logprobs=call.logprobs, logprobs_mode=call.logprobs_mode)
     if call.return_kept:
         extra["return_kept"] = True
@@ -165,6 +166,14 @@ def launch_processed(call, handle, names) -> tuple:
     tokens, lp = result if extra else (result, None)
     call.put_outputs(tokens)
     return to_host(tokens), logprobs_on_host(lp), None if broken is None else to_host(broken)
+
+
+def _reads(call) -> Reads:
+    """The tensors ``call``'s checks read (host and device checks share them), to launch from."""
+    for checks in (call.checks, call.device_checks):
+        if checks is not None:
+            return checks.read
+    return Reads()
 
 
 def logprobs_on_host(lp) -> tuple | None:

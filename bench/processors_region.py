@@ -1,0 +1,216 @@
+"""Issue 45's CPU target: a greedy Sample whose logits are in a POSIX region and whose
+frontend-sized lists come as bytes, through the CPU server, against the same call in process.
+
+    python -m bench.processors_region [--compare DIR] [--reps 30] [--stack-samples FILE]
+
+16 rows of ``--vocab`` float32 logits in a registered system shared-memory region, greedy
+(temperature 0, seeded), called two ways: **plain**, and **processors**: repetition, frequency and
+presence penalties over 8,192-token prompts and 16,384-token outputs, 64 logit bias entries a
+row and a grammar bitmask ``[16, ceil(V / 32)]`` (random bits), every list int64 bytes in the
+request (serialized beforehand); and the same with the lists and bitmask in the logits' region
+too. What the service adds to a call: its time through the service
+minus the same call's time in process (``kernels.sample``, torch backend, every sampling
+parameter a per-row tensor as the server launches it, in a worker process of the server's tree,
+on a thread of its own), timed one after the other; the median of those differences over
+``--reps`` rounds. Target (issue 45): the processors call adds at most twice what the plain call
+adds, plus 5 ms.
+
+``--compare DIR`` runs a second server and kernel worker from another tree (``git archive REV src
+| tar -x -C DIR``, as for ``bench.service_ab``), and every round times both trees, in an order
+that alternates from round to round: before and after a change, interleaved on one machine.
+``--stack-samples FILE`` then samples the first server's threads (``bench.stack_profile``) during
+100 processors calls made after the timed rounds, and prints a summary.
+
+Torch runs one CPU thread in the servers and the kernel workers (OMP_NUM_THREADS=1), as for
+``bench.processors_cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+
+from logitserve.client import messages
+from logitserve.v1 import logitserve_pb2 as pb
+
+from .processors_cpu import CHANNEL_OPTIONS, PENALTIES, ROWS, SAMPLE, SystemRegion, overhead_inputs, timed
+from .servers import ServerSpec, running_all, serve_argv
+from .service_ab import checkout_site
+
+BIAS_PER_ROW = 64
+GREEDY = dict(temperature=0.0, seed=7)
+CALLS = ("plain", "processors", "processors, lists in the region")
+KERNEL_OF = {"plain": "plain", "processors": "processors", "processors, lists in the region": "processors"}
+
+
+def case_inputs(vocab: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The logits and the processors' lists and bitmask (the same in every process)."""
+    logits, lists = overhead_inputs(vocab)
+    rng = np.random.default_rng(45)
+    entries = ROWS * BIAS_PER_ROW
+    lists.update(logit_bias_ids=rng.integers(0, vocab, entries, dtype=np.int64),
+                 logit_bias_offsets=np.arange(0, entries + 1, BIAS_PER_ROW, dtype=np.int64),
+                 logit_bias_values=rng.uniform(-2, 2, entries).astype(np.float32),
+                 grammar_bitmask=rng.integers(-2**31, 2**31, (ROWS, (vocab + 31) // 32), dtype=np.int64)
+                 .astype(np.int32))
+    return logits, lists
+
+
+def kernel_worker(vocab: int) -> None:
+    """For each call name read on stdin, that call's in-process time (ms) on stdout; the first
+    line: the tree its ``logitserve`` comes from."""
+    import torch
+
+    from logitserve import kernels
+
+    logits, lists = case_inputs(vocab)
+    x = torch.from_numpy(logits)
+    procs = {k: torch.from_numpy(v) for k, v in lists.items()}
+    defaults = dict(top_k=0, top_p=1.0, min_p=0.0, step=0)
+    params = {k: torch.full((ROWS,), v, dtype=torch.int64 if isinstance(v, int) else torch.float32)
+              for k, v in {**GREEDY, **defaults}.items()}
+    calls = {"plain": lambda: kernels.sample(x, **params, backend="torch"),
+             "processors": lambda: kernels.sample(x, **params, **PENALTIES, **procs, backend="torch")}
+
+    def timed_call(name: str) -> float:
+        t0 = time.perf_counter()
+        calls[name]()
+        return (time.perf_counter() - t0) * 1e3
+
+    print(os.path.dirname(os.path.dirname(os.path.realpath(kernels.__file__))), flush=True)
+    with ThreadPoolExecutor(1) as launch_thread:
+        for line in sys.stdin:
+            print(launch_thread.submit(timed_call, line.strip()).result(), flush=True)
+
+
+class KernelTimer:
+    """:func:`kernel_worker` in a subprocess with ``env`` (whose ``import logitserve`` is a tree's)."""
+
+    def __init__(self, env: dict, vocab: int):
+        argv = [sys.executable, "-m", "bench.processors_region", "--kernel-worker", "--vocab", str(vocab)]
+        self.process = subprocess.Popen(argv, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.tree = self.process.stdout.readline().strip()
+
+    def time(self, name: str) -> float:
+        self.process.stdin.write(name + "\n")
+        self.process.stdin.flush()
+        return float(self.process.stdout.readline())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def requests(region: SystemRegion, lists: dict[str, np.ndarray], vocab: int) -> dict[str, bytes]:
+    """Each call's request, serialized: the logits named in ``region``, the lists as bytes or
+    named in ``region`` too."""
+    out = {}
+    for name, kw in (("plain", {}), ("processors", {**PENALTIES, **lists}), (CALLS[2], PENALTIES)):
+        msg = messages.sample_request(np.zeros((ROWS, vocab), np.float32), **GREEDY, **kw)
+        for field in ("logits", *(lists if name == CALLS[2] else ())):
+            getattr(msg, field).CopyFrom(region.tensors[field])
+        out[name] = msg.SerializeToString()
+    return out
+
+
+def measure(calls, raws: list[dict[str, bytes]], kernels: list[KernelTimer], reps: int) -> list[dict]:
+    """Per tree: each call's service p50, kernel p50 and the median of (service - kernel)."""
+    trees = range(len(calls))
+    service = [{n: [] for n in CALLS} for _ in trees]
+    in_process = [{n: [] for n in CALLS} for _ in trees]
+    for tree in trees:  # first calls: connections, plans
+        for name in CALLS:
+            timed(calls[tree], raws[tree][name])
+            kernels[tree].time(KERNEL_OF[name])
+    for rep in range(reps):
+        for tree in (trees if rep % 2 == 0 else reversed(trees)):
+            for name in CALLS:
+                service[tree][name].append(timed(calls[tree], raws[tree][name]))
+                in_process[tree][name].append(kernels[tree].time(KERNEL_OF[name]))
+    return [{name: dict(service=statistics.median(s[name]), kernel=statistics.median(k[name]),
+                        adds=statistics.median(a - b for a, b in zip(s[name], k[name])), mb=len(raws[0][name]) / 1e6)
+             for name in CALLS} for s, k in zip(service, in_process)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", metavar="DIR", help="also run a server and kernel worker from this tree")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--stack-samples", metavar="FILE", help="sample the first server's threads into FILE")
+    parser.add_argument("--kernel-worker", action="store_true", help=argparse.SUPPRESS)  # KernelTimer's child
+    args = parser.parse_args(argv)
+    if args.kernel_worker:
+        kernel_worker(args.vocab)
+        return 0
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = {**os.environ, "OMP_NUM_THREADS": "1"}
+    path = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
+    envs = [{**base, "PYTHONPATH": os.pathsep.join([os.path.join(here, "src"), *path])}]
+    if args.compare:
+        envs.append({**base, "PYTHONPATH": os.pathsep.join([checkout_site(args.compare), *path])})
+    server_envs = [dict(e) for e in envs]
+    if args.stack_samples:
+        from .stack_profile import ENV, sitecustomize_dir
+        hook = sitecustomize_dir(here, tempfile.mkdtemp(prefix="stack-profile-"))
+        server_envs[0]["PYTHONPATH"] = os.pathsep.join([hook, server_envs[0]["PYTHONPATH"]])
+        server_envs[0][ENV] = os.path.abspath(args.stack_samples)
+    kernels = [KernelTimer(e, args.vocab) for e in envs]
+    specs = [ServerSpec(f"cpu {i}", serve_argv("--device", "cpu", "--backend", "torch", "--warmup-dtypes", "float32",
+                                               "--warmup-widths", str(args.vocab)), env=e)
+             for i, e in enumerate(server_envs)]
+    window = None
+    try:
+        with running_all(specs, startup_timeout_s=300) as servers, contextlib.ExitStack() as stack:
+            logits, lists = case_inputs(args.vocab)
+            channels = [stack.enter_context(grpc.insecure_channel(s.target, CHANNEL_OPTIONS)) for s in servers]
+            regions = [SystemRegion(c, f"bench-region-{i}", {"logits": logits, **lists}) for i, c in enumerate(channels)]
+            for region in regions:
+                stack.callback(region.close)
+            raws = [requests(r, lists, args.vocab) for r in regions]
+            calls = [c.unary_unary(SAMPLE) for c in channels]
+            results = measure(calls, raws, kernels, args.reps)
+            if args.stack_samples:
+                t0 = time.time()
+                for _ in range(100):
+                    pb.SampleResponse.FromString(calls[0](raws[0]["processors"], timeout=600))
+                window = (t0, time.time())
+    finally:
+        for k in kernels:
+            k.close()
+    rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    print(f"# bench.processors_region: HEAD {rev.strip()}, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}, {args.reps} rounds, trees interleaved")
+    print(f"\nGreedy Sample {ROWS}x{args.vocab} f32 in a system region; processors: 3 penalties over 8,192-token "
+          f"prompts and 16,384-token outputs, {BIAS_PER_ROW} bias entries a row, a grammar bitmask, as int64 bytes "
+          f"(ms)\n")
+    print("| tree | call | request | service p50 | kernel in process p50 | service adds (p50 of the rounds) | "
+          "target (2x plain's + 5) | met |\n|---|---|---:|---:|---:|---:|---:|---|")
+    for kernel, result in zip(kernels, results):
+        line = 2 * result["plain"]["adds"] + 5
+        for name in CALLS:
+            r = result[name]
+            target = "" if name == "plain" else f"{line:.2f}"
+            met = "" if name == "plain" else ("yes" if r["adds"] <= line * 1.1 else "no")
+            print(f"| {kernel.tree} | {name} | {r['mb']:.1f} MB | {r['service']:.2f} | {r['kernel']:.2f} | "
+                  f"**{r['adds']:.2f}** | {target} | {met} |")
+    if window is not None:
+        from .stack_profile import summarize
+        print("\n### the first server's threads during 100 processors calls\n")
+        print("\n".join(summarize(args.stack_samples, *window)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
