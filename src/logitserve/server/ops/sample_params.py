@@ -68,12 +68,22 @@ def wire_param(msg, param, rows: int, path: str, regions=None) -> Param | None:
 
 
 def draw_seeds(rows: int) -> list[int]:
-    return [secrets.randbits(SEED_BITS) for _ in range(rows)]
+    """``rows`` seeds of ``SEED_BITS`` random bits, drawn at once (a ``secrets.randbits`` a row
+    took 0.2 ms of the event loop for 256 rows)."""
+    words = np.frombuffer(secrets.token_bytes(8 * rows), dtype=np.uint64)
+    return (words >> np.uint64(64 - SEED_BITS)).tolist()
+
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64}
 
 
 def param_rows(columns: list[Param], rows: int, dtype: torch.dtype) -> HostTensor:
-    """``columns`` (each a scalar or one value per row) as a ``[rows, len(columns)]`` tensor."""
+    """``columns`` (each a scalar or one value per row) as a ``[rows, len(columns)]`` tensor. With
+    a per-row column, the table is filled a column at a time (numpy: each column's rows at once,
+    rounded to float32 as ``pack`` rounds them), not a row at a time."""
     if list not in map(type, columns):
         return HostTensor(pack(columns, dtype) * rows, dtype, (rows, len(columns)))
-    per_row = zip(*(c if type(c) is list else (c,) * rows for c in columns))
-    return HostTensor(pack([v for row in per_row for v in row], dtype), dtype, (rows, len(columns)))
+    table = np.empty((rows, len(columns)), dtype=_NUMPY_DTYPES[dtype])
+    for j, column in enumerate(columns):
+        table[:, j] = column
+    return HostTensor(table.tobytes(), dtype, (rows, len(columns)))
