@@ -5,8 +5,11 @@ group. A group launches when it holds ``max_batch_rows`` rows or its oldest call
 ``max_delay_s`` (0: at once); while the device is busy with one launch, groups keep filling, so
 load itself makes batches bigger. One worker task per batcher takes ready groups oldest first
 and launches them on the device handle (:meth:`.device.DeviceHandle.run_batch`), one at a time.
-Every call goes this way. Before a launch, calls whose client cancelled are gone and calls past
-their deadline fail with DEADLINE_EXCEEDED. The queue is bounded: at ``max_queue`` waiting
+A lone call (no launch under way, no call queued, ``max_delay_s`` 0: nothing could join it)
+skips the queue: its handler's own task launches it and awaits the launch, which saves the
+worker's wake-up and the hand-over of the result (:meth:`Batcher.submit`). Calls that arrive
+meanwhile queue, and the worker launches them once that launch is done. Before a launch, calls
+whose client cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. The queue is bounded: at ``max_queue`` waiting
 calls, :meth:`Batcher.submit` raises :class:`QueueFull` at once. When a launch of several calls
 fails, each call is retried alone, so one bad request cannot fail its neighbours; after a call
 fails alone, ``on_failure`` (if given) sees why.
@@ -76,8 +79,10 @@ class Batcher:
         self.batched_requests = 0  # calls those launches served
         self._groups: dict[object, _Group] = {}
         self._queued = 0
+        self._alone = 0  # lone calls launching from their handlers' tasks (submit)
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task | None = None
+        self._worker_busy = False  # the worker is launching a batch
         self._closed = False
 
     @property
@@ -100,7 +105,9 @@ class Batcher:
 
         A call whose checks read its tensors element by element (``call.checked``: Sample's
         processor fields, server/ops/processor_checks.py) is checked on a worker thread first:
-        queued only once valid, it holds up neither the loop nor the launches of others."""
+        queued only once valid, it holds up neither the loop nor the launches of others.
+
+        A lone call launches at once from the caller's task (:meth:`_launch_alone`)."""
         self._admit()
         loop = asyncio.get_running_loop()
         arrived = loop.time()
@@ -109,7 +116,10 @@ class Batcher:
             await checked()
             self._admit()  # again: the checks took a while
         now = loop.time()
-        pending = _Pending(call, loop.create_future(), None if timeout is None else arrived + timeout, now)
+        deadline = None if timeout is None else arrived + timeout
+        if self._alone == 0 and self._queued == 0 and not self._worker_busy and self.max_delay_s <= 0:
+            return await self._launch_alone(call, deadline, now, loop)
+        pending = _Pending(call, loop.create_future(), deadline, now)
         key = call.key if call.key is not None else object()  # None: a group of its own
         group = self._groups.get(key)
         if group is None:
@@ -121,6 +131,26 @@ class Batcher:
         if len(group.items) == 1 or group.rows >= self.max_batch_rows:
             self._wakeup.set()  # a new group (the worker times its delay) or a full one
         return await pending.future
+
+    async def _launch_alone(self, call, deadline: float | None, now: float, loop):
+        """Launch ``call`` from the caller's task and return its result: the launch the worker
+        would make of it (deadline, metrics, ``on_failure``), without its two hand-overs."""
+        if deadline is not None and deadline <= now:
+            raise DeadlineExpired("deadline passed before launch")
+        self._alone += 1  # calls arriving meanwhile queue; the worker waits for this launch
+        try:
+            self._count_launch([call], queue_seconds=[loop.time() - now])
+            try:
+                return (await self.handle.run_batch([call], self.wait_for([call])))[0]
+            except Exception as exc:  # noqa: BLE001 - the call's own failure: reported, then raised
+                failure = _cut_loose(exc)
+                if self.on_failure is not None:
+                    await self.on_failure(failure)  # before the next launch, as the worker's does
+                raise
+        finally:
+            self._alone -= 1
+            if self._queued:
+                self._wakeup.set()
 
     def wait_for(self, calls: list) -> Wait:
         """How the launch of ``calls`` waits for the device: polled on the event loop when the
@@ -185,12 +215,14 @@ class Batcher:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = self._take_ready(loop.time())
+            # Behind a lone call's launch (submit) nothing is taken: the groups fill meanwhile,
+            # and that launch's end wakes this.
+            batch = None if self._alone else self._take_ready(loop.time())
             if batch is None:
                 self._wakeup.clear()
                 # Nothing ready: sleep until submit opens or fills a group, or the oldest
                 # group's delay runs out.
-                ready_at = self._next_ready_at()
+                ready_at = None if self._alone else self._next_ready_at()
                 timeout = None if ready_at is None else max(ready_at - loop.time(), 0.0)
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), timeout)
@@ -198,7 +230,11 @@ class Batcher:
                     pass
                 continue
             if batch:
-                await self._launch(batch, loop)
+                self._worker_busy = True
+                try:
+                    await self._launch(batch, loop)
+                finally:
+                    self._worker_busy = False
 
     async def _launch(self, batch: list[_Pending], loop) -> None:
         calls = [p.call for p in batch]

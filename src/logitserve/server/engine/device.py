@@ -210,26 +210,55 @@ class DeviceHandle:
     async def submit(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the launch thread (and stream), not waiting for other launches.
 
+        The thread hands the outcome to the loop once (:meth:`_settle`, one
+        ``call_soon_threadsafe``), straight into the future the caller awaits: no executor
+        future copied over, no shield in between.
+
         A caller cancelled meanwhile gets its CancelledError once ``fn`` has returned, not before:
         until then the thread is using the stream, and the device must not pass to a replay on
         the event loop.
         """
-        done = asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, *args)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        work = self._executor.submit(self._run_and_settle, [loop, done, fn, args])
         self._thread_work += 1
-        done.add_done_callback(self._thread_work_done)
         try:
-            return await asyncio.shield(done)
+            return await done
         except asyncio.CancelledError:
-            while not done.done():
-                try:
-                    await asyncio.wait([done])
-                except asyncio.CancelledError:
-                    pass  # cancelled again: the thread still holds the stream
-            done.exception()  # retrieved: what fn raised goes nowhere, the caller has left
+            if done.cancelled():  # the caller left: wait for the thread, whatever fn's outcome
+                while not work.done():
+                    try:
+                        await asyncio.wait([asyncio.wrap_future(work)])
+                    except asyncio.CancelledError:
+                        pass  # cancelled again: the thread still holds the stream
             raise
 
-    def _thread_work_done(self, _done: asyncio.Future) -> None:
+    def _run_and_settle(self, job: list) -> None:
+        """On the launch thread: ``job``'s ``fn(*args)``, its result or exception handed to its
+        future ``done``.
+
+        A failure's traceback holds the frames that ran ``fn``, and through theirs (``f_back``)
+        this frame and the executor's, which outlive their return: none may keep ``done`` (the
+        failure) or ``args`` (the launch's calls), or they would stay in a reference cycle until
+        a garbage collection. So ``job`` is a list, emptied here, and this frame lets go of it
+        all before it returns."""
+        loop, done, fn, args = job
+        job.clear()
+        try:
+            result, failure = self._run(fn, *args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it is
+            result, failure = None, exc
+        loop.call_soon_threadsafe(self._settle, done, result, failure)
+        del done, fn, args, result, failure
+
+    def _settle(self, done: asyncio.Future, result, failure: BaseException | None) -> None:
         self._thread_work -= 1
+        if done.cancelled():  # the caller left: what fn returned or raised goes nowhere
+            return
+        if failure is not None:
+            done.set_exception(failure)
+        else:
+            done.set_result(result)
 
     async def run(self, fn: Callable, *args):
         """Run ``fn(*args)`` alone on the device's launch thread (and stream); return its result
