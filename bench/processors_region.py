@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         with running_all(specs, startup_timeout_s=300) as servers, contextlib.ExitStack() as stack:
             logits, lists = case_inputs(args.vocab)
             channels = [stack.enter_context(grpc.insecure_channel(s.target, CHANNEL_OPTIONS)) for s in servers]
-            regions = [SystemRegion(c, f"bench-region-{i}", {"logits": logits, **lists}) for i, c in enumerate(channels)]
+            regions = [SystemRegion(c, f"bench-region-{i}", {"logits": logits, **lists})
+                       for i, c in enumerate(channels)]
             for region in regions:
                 stack.callback(region.close)
             raws = [requests(r, lists, args.vocab) for r in regions]

@@ -261,10 +261,10 @@ def from_array(a: np.ndarray) -> pb.Tensor:
     return pb.Tensor(dtype=_NUMPY_PB_DTYPES[a.dtype], shape=list(a.shape), data=np.ascontiguousarray(a).tobytes())
 
 
-def rows_values(msg: pb.Tensor, name: str, rows: int, *, dtypes: tuple[torch.dtype, ...], regions=None) -> list:
-    """A per-row parameter: a ``[rows]`` tensor of one of ``dtypes`` (bytes, or in a region), as
-    Python numbers."""
+def rows_tensor(msg: pb.Tensor, name: str, rows: int, *, dtypes: tuple[torch.dtype, ...],
+                regions=None) -> HostTensor | DeviceTensor:
+    """A per-row parameter: a ``[rows]`` tensor of one of ``dtypes`` (bytes, or in a region)."""
     t = decode(msg, name, dtypes=dtypes, ranks=(1,), regions=regions)
     if t.shape[0] != rows:
         raise ValueError(f"{name}.shape: must be [{rows}] (one value per row), got {list(t.shape)}")
-    return t.tolist()
+    return t

@@ -224,17 +224,22 @@ class BulkChecks:
             raise ValueError(message)
 
     async def run_off_loop(self) -> None:
-        """:meth:`run` on a worker thread of the running loop. Cancelled, it still returns only
-        once the thread is done: the thread reads the call's tensors, some perhaps in regions
-        whose leases the handler gives back as it ends."""
-        done = asyncio.get_running_loop().run_in_executor(None, self.run)
-        try:
-            await asyncio.shield(done)
-        except asyncio.CancelledError:
-            while not done.done():
-                try:
-                    await asyncio.wait([done])
-                except asyncio.CancelledError:
-                    pass  # cancelled again: the thread is still reading
-            done.exception()  # retrieved: what the checks found goes nowhere, the caller has left
-            raise
+        """:meth:`run` on a worker thread (:func:`off_loop`)."""
+        await off_loop(self.run)
+
+
+async def off_loop(fn, *args):
+    """``fn(*args)`` on a worker thread of the running loop, which reads a call's tensors.
+    Cancelled, it still returns only once the thread is done: some tensors are perhaps in regions
+    whose leases the handler gives back as it ends."""
+    done = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        while not done.done():
+            try:
+                await asyncio.wait([done])
+            except asyncio.CancelledError:
+                pass  # cancelled again: the thread is still reading
+        done.exception()  # retrieved: what the thread found goes nowhere, the caller has left
+        raise

@@ -19,9 +19,9 @@ from ..engine.staging import Staging, to_host
 from ..tensors import FLOATS, NOT_IN_PLACE, PB_DTYPES, HostTensor, from_torch, pack, tensor_field
 from .batching import split, split_rows
 from .limits import Limits, answer_bytes
-from .processor_checks import BulkChecks
+from .processor_checks import BulkChecks, off_loop
 from .resident import Outputs, column_stage, device_inputs, graph_key, launches_in_place, on_device
-from .sample_params import Param, draw_seeds, param_rows, wire_param
+from .sample_params import DeviceRows, Param, draw_seeds, param_rows, read_device_rows, take_device_rows, wire_param
 from .sample_processors import launch_processed
 from .sample_processors import parse as parse_processors
 
@@ -65,6 +65,8 @@ class SampleCall:
     processors: dict | None = None
     checks: BulkChecks | None = None
     device_checks: BulkChecks | None = None  # those of fields in CUDA regions: run in the launch
+    # Per-row parameters in CUDA regions, read and checked by :meth:`checked` (0 until then).
+    device_rows: dict[str, DeviceRows] | None = None
     logprobs: int | None = None
     logprobs_mode: str = "raw"
     return_kept: bool = False
@@ -92,7 +94,8 @@ class SampleCall:
             named = sequences.rows(msg, rows, vocab, path)
         if msg.filter_order not in WIRE_FILTER_ORDERS:
             raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
-        values = {p.name: wire_param(msg, p, rows, path, regions) for p in _CHECKED}
+        values = {p.name: wire_param(msg, p, rows, path, regions, device_rows=True) for p in _CHECKED}
+        device_rows = take_device_rows(values) or None
         if values["seed"] is None:  # drawn, unless the rows' sequences hold them (set at the launch)
             values["seed"] = 0 if named is not None else draw_seeds(rows)
         shapes = {"token_ids": (torch.int64, (rows,)), "seeds": (torch.int64, (rows,)), "valid": (torch.bool, (rows,))}
@@ -105,15 +108,24 @@ class SampleCall:
         limits.check_answer(f"{path}logits", size)
         call = cls(logits=logits, filter_order=WIRE_FILTER_ORDERS[msg.filter_order], outputs=outputs,
                    regions=regions, answer_size=size, processors=processors, checks=checks,
-                   device_checks=device_checks, logprobs=n_logprobs,
+                   device_checks=device_checks, device_rows=device_rows, logprobs=n_logprobs,
                    logprobs_mode=logprobs_mode, return_kept=msg.return_kept, sequences=named, **values)
-        if call.random_val is not None and _any_nonzero(call.min_p):
-            raise ValueError(f"{path}min_p: must be 0 with random_val (InfiniCore's random_sample has no min-p)")
+        call._check_min_p(path)
         return call
 
+    def _check_min_p(self, path: str) -> None:
+        if self.random_val is not None and _any_nonzero(self.min_p):
+            raise ValueError(f"{path}min_p: must be 0 with random_val (InfiniCore's random_sample has no min-p)")
+
     async def checked(self) -> None:
-        """The processor fields' element-wise checks, on a worker thread (``ValueError`` naming
-        the first broken one): the batcher awaits this before it queues the call."""
+        """The per-row parameters in CUDA regions read, then the processor fields' element-wise
+        checks, on worker threads (``ValueError`` naming the first broken one): the batcher
+        awaits this before it queues the call."""
+        if self.device_rows is not None:
+            for name, values in (await off_loop(read_device_rows, self.device_rows)).items():
+                setattr(self, name, values)
+            self.__post_init__()  # the parameters packed again, with the values read
+            self._check_min_p(next(iter(self.device_rows.values())).path)
         if self.checks is not None:
             await self.checks.run_off_loop()
 
