@@ -1,7 +1,7 @@
 """Issue 45's CPU target: a greedy Sample whose logits are in a POSIX region and whose
 frontend-sized lists come as bytes, through the CPU server, against the same call in process.
 
-    python -m bench.processors_region [--compare DIR] [--reps 30] [--stack-samples FILE]
+    python -m bench.processors_region [--trees DIR [DIR ...]] [--reps 30] [--stack-samples FILE]
 
 16 rows of ``--vocab`` float32 logits in a registered system shared-memory region, greedy
 (temperature 0, seeded), called two ways: **plain**, and **processors**: repetition, frequency and
@@ -13,13 +13,14 @@ minus the same call's time in process (``kernels.sample``, torch backend, every 
 parameter a per-row tensor as the server launches it, in a worker process of the server's tree,
 on a thread of its own), timed one after the other; the median of those differences over
 ``--reps`` rounds. Target (issue 45): the processors call adds at most twice what the plain call
-adds, plus 5 ms.
+adds, plus 5 ms. Beside them, each request's gRPC floor: ``bench.echo_server``'s time to answer it.
 
-``--compare DIR`` runs a second server and kernel worker from another tree (``git archive REV src
-| tar -x -C DIR``, as for ``bench.service_ab``), and every round times both trees, in an order
-that alternates from round to round: before and after a change, interleaved on one machine.
-``--stack-samples FILE`` then samples the first server's threads (``bench.stack_profile``) during
-100 processors calls made after the timed rounds, and prints a summary.
+``--trees`` runs a server and a kernel worker from each tree named (``git archive REV src | tar
+-x -C DIR``, as for ``bench.service_ab``; default: this checkout), and every round times every
+tree, in an order that alternates from round to round: before and after a change, interleaved
+on one machine. ``--stack-samples FILE`` samples the first tree's server threads
+(``bench.stack_profile``) during 100 calls of each kind made after the timed rounds, and prints
+a summary for each.
 
 Torch runs one CPU thread in the servers and the kernel workers (OMP_NUM_THREADS=1), as for
 ``bench.processors_cpu``.
@@ -44,7 +45,7 @@ from logitserve.client import messages
 from logitserve.v1 import logitserve_pb2 as pb
 
 from .processors_cpu import CHANNEL_OPTIONS, PENALTIES, ROWS, SAMPLE, SystemRegion, overhead_inputs, timed
-from .servers import ServerSpec, running_all, serve_argv
+from .servers import ServerSpec, echo_argv, running_all, serve_argv
 from .service_ab import checkout_site
 
 BIAS_PER_ROW = 64
@@ -124,11 +125,13 @@ def requests(region: SystemRegion, lists: dict[str, np.ndarray], vocab: int) -> 
     return out
 
 
-def measure(calls, raws: list[dict[str, bytes]], kernels: list[KernelTimer], reps: int) -> list[dict]:
-    """Per tree: each call's service p50, kernel p50 and the median of (service - kernel)."""
+def measure(calls, raws: list[dict[str, bytes]], kernels: list[KernelTimer], echo, reps: int) -> list[dict]:
+    """Per tree: each call's service p50, kernel p50, the median of (service - kernel), and the
+    request's gRPC floor: ``echo``'s time to answer it (bench.echo_server, nothing parsed)."""
     trees = range(len(calls))
     service = [{n: [] for n in CALLS} for _ in trees]
     in_process = [{n: [] for n in CALLS} for _ in trees]
+    floor = {n: [] for n in CALLS}
     for tree in trees:  # first calls: connections, plans
         for name in CALLS:
             timed(calls[tree], raws[tree][name])
@@ -138,14 +141,20 @@ def measure(calls, raws: list[dict[str, bytes]], kernels: list[KernelTimer], rep
             for name in CALLS:
                 service[tree][name].append(timed(calls[tree], raws[tree][name]))
                 in_process[tree][name].append(kernels[tree].time(KERNEL_OF[name]))
+        for name in CALLS:
+            t0 = time.perf_counter()
+            echo(raws[0][name], timeout=60)
+            floor[name].append((time.perf_counter() - t0) * 1e3)
     return [{name: dict(service=statistics.median(s[name]), kernel=statistics.median(k[name]),
-                        adds=statistics.median(a - b for a, b in zip(s[name], k[name])), mb=len(raws[0][name]) / 1e6)
+                        adds=statistics.median(a - b for a, b in zip(s[name], k[name])), mb=len(raws[0][name]) / 1e6,
+                        floor=statistics.median(floor[name]))
              for name in CALLS} for s, k in zip(service, in_process)]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compare", metavar="DIR", help="also run a server and kernel worker from this tree")
+    parser.add_argument("--trees", nargs="+", metavar="DIR", help="a server and kernel worker from each of these "
+                        "trees, timed in turn (default: this checkout)")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--stack-samples", metavar="FILE", help="sample the first server's threads into FILE")
@@ -157,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = {**os.environ, "OMP_NUM_THREADS": "1"}
     path = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
-    envs = [{**base, "PYTHONPATH": os.pathsep.join([os.path.join(here, "src"), *path])}]
-    if args.compare:
-        envs.append({**base, "PYTHONPATH": os.pathsep.join([checkout_site(args.compare), *path])})
+    envs = [{**base, "PYTHONPATH": os.pathsep.join([checkout_site(tree), *path])} for tree in args.trees or [here]]
     server_envs = [dict(e) for e in envs]
     if args.stack_samples:
         from .stack_profile import ENV, sitecustomize_dir
@@ -169,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     kernels = [KernelTimer(e, args.vocab) for e in envs]
     specs = [ServerSpec(f"cpu {i}", serve_argv("--device", "cpu", "--backend", "torch", "--warmup-dtypes", "float32",
                                                "--warmup-widths", str(args.vocab)), env=e)
-             for i, e in enumerate(server_envs)]
-    window = None
+             for i, e in enumerate(server_envs)] + [ServerSpec("echo", echo_argv(), is_echo=True)]
+    windows = {}
     try:
-        with running_all(specs, startup_timeout_s=300) as servers, contextlib.ExitStack() as stack:
+        with running_all(specs, startup_timeout_s=300) as (*servers, echo), contextlib.ExitStack() as stack:
             logits, lists = case_inputs(args.vocab)
             channels = [stack.enter_context(grpc.insecure_channel(s.target, CHANNEL_OPTIONS)) for s in servers]
             regions = [SystemRegion(c, f"bench-region-{i}", {"logits": logits, **lists})
@@ -181,12 +188,14 @@ def main(argv: list[str] | None = None) -> int:
                 stack.callback(region.close)
             raws = [requests(r, lists, args.vocab) for r in regions]
             calls = [c.unary_unary(SAMPLE) for c in channels]
-            results = measure(calls, raws, kernels, args.reps)
+            echo_channel = stack.enter_context(grpc.insecure_channel(echo.target, CHANNEL_OPTIONS))
+            results = measure(calls, raws, kernels, echo_channel.unary_unary(SAMPLE), args.reps)
             if args.stack_samples:
-                t0 = time.time()
-                for _ in range(100):
-                    pb.SampleResponse.FromString(calls[0](raws[0]["processors"], timeout=600))
-                window = (t0, time.time())
+                for name in CALLS:
+                    t0 = time.time()
+                    for _ in range(100):
+                        pb.SampleResponse.FromString(calls[0](raws[0][name], timeout=600))
+                    windows[name] = (t0, time.time())
     finally:
         for k in kernels:
             k.close()
@@ -197,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
           f"prompts and 16,384-token outputs, {BIAS_PER_ROW} bias entries a row, a grammar bitmask, as int64 bytes "
           f"(ms)\n")
     print("| tree | call | request | service p50 | kernel in process p50 | service adds (p50 of the rounds) | "
-          "target (2x plain's + 5) | met |\n|---|---|---:|---:|---:|---:|---:|---|")
+          "target (2x plain's + 5) | met | gRPC floor p50 |\n|---|---|---:|---:|---:|---:|---:|---|---:|")
     for kernel, result in zip(kernels, results):
         line = 2 * result["plain"]["adds"] + 5
         for name in CALLS:
@@ -205,11 +214,12 @@ def main(argv: list[str] | None = None) -> int:
             target = "" if name == "plain" else f"{line:.2f}"
             met = "" if name == "plain" else ("yes" if r["adds"] <= line * 1.1 else "no")
             print(f"| {kernel.tree} | {name} | {r['mb']:.1f} MB | {r['service']:.2f} | {r['kernel']:.2f} | "
-                  f"**{r['adds']:.2f}** | {target} | {met} |")
-    if window is not None:
+                  f"**{r['adds']:.2f}** | {target} | {met} | {r['floor']:.2f} |")
+    if windows:
         from .stack_profile import summarize
-        print("\n### the first server's threads during 100 processors calls\n")
-        print("\n".join(summarize(args.stack_samples, *window)))
+        for name, window in windows.items():
+            print(f"\n### the first tree's server threads during 100 {name} calls\n")
+            print("\n".join(summarize(args.stack_samples, *window)))
     return 0
 
 
