@@ -10,9 +10,8 @@ launch either.
 Every check is torch reductions on the tensor where it lies, never a loop over elements: the
 request's bytes viewed as a CPU tensor (no copy), a system region's bytes read through its
 descriptor (one copy, which the launch reads too, :class:`Reads`: the server never maps them
-where they could shrink under it), a CUDA
-region on its device (never copied to the host; offsets ``[B + 1]`` sent as bytes beside ids in
-a CUDA region go to the ids' device). The checks of fields in CUDA regions run in the call's
+where they could shrink under it), a CUDA region on its device (never copied to the host;
+offsets ``[B + 1]`` sent as bytes beside ids in a CUDA region go to the ids' device). The checks of fields in CUDA regions run in the call's
 launch instead (:meth:`BulkChecks.split`): their reductions queue on the launch's stream ahead
 of the kernels, and their flag comes back with the tokens, so that they cost no synchronisation
 and no thread of their own (on the H200 they held a call 1.2 ms). The kernels read such lists
