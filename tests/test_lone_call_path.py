@@ -245,3 +245,33 @@ def test_a_sample_answer_is_built_from_the_launchs_array():
     # A sequence call's tokens come as a list: the same answer.
     assert SampleResult(tokens.tolist(), [1, 2, 3]).to_pb() == response
     assert SampleResult(torch.tensor([5, -1, 31999]).numpy(), [1, 2, 3]).to_pb() == response
+
+
+def test_a_lone_calls_failure_is_reported_in_full_though_its_caller_leaves():
+    order = []
+    checking = asyncio.Event()
+
+    async def on_failure(exc):
+        order.append("check")
+        checking.set()
+        await asyncio.sleep(0.02)
+        order.append("checked")
+
+    async def main():
+        handle = FakeHandle()
+        b = make(handle, on_failure=on_failure)
+        bad = asyncio.ensure_future(b.submit(FakeCall(1, fail=True)))
+        await checking.wait()
+        bad.cancel()  # its client leaves during the device check
+        good = asyncio.ensure_future(b.submit(FakeCall(2)))
+        await asyncio.sleep(0)
+        launched_during_check = list(handle.batches)
+        result = await good
+        order.append("answered")
+        await b.close()
+        return handle, bad, launched_during_check, result
+
+    handle, bad, launched_during_check, result = run(main())
+    assert bad.cancelled() and result == 20
+    assert launched_during_check == [[1]] and handle.batches == [[1], [2]]
+    assert order == ["check", "checked", "answered"]

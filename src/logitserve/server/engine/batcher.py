@@ -145,12 +145,21 @@ class Batcher:
             except Exception as exc:  # noqa: BLE001 - the call's own failure: reported, then raised
                 failure = _cut_loose(exc)
                 if self.on_failure is not None:
-                    await self.on_failure(failure)  # before the next launch, as the worker's does
+                    # Before the next launch, as the worker's report is; a caller that leaves
+                    # meanwhile does not stop it (its task holds the device as this launch did).
+                    report = loop.create_task(self.on_failure(failure))
+                    self._alone += 1
+                    report.add_done_callback(self._alone_done)
+                    await asyncio.shield(report)
                 raise
         finally:
-            self._alone -= 1
-            if self._queued:
-                self._wakeup.set()
+            self._alone_done()
+
+    def _alone_done(self, _report: asyncio.Task | None = None) -> None:
+        """A lone call's launch (or the report of its failure) is over: the worker may launch."""
+        self._alone -= 1
+        if self._queued:
+            self._wakeup.set()
 
     def wait_for(self, calls: list) -> Wait:
         """How the launch of ``calls`` waits for the device: polled on the event loop when the
