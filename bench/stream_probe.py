@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing import shared_memory
 
@@ -73,7 +74,7 @@ class Engine:
 
     def __init__(self, torch, ops: StreamOps, steps: int):
         self.torch, self.ops, self.steps = torch, ops, steps
-        self.stream = torch.cuda.Stream()
+        self.stream, self.side = torch.cuda.Stream(), torch.cuda.Stream()
         self.logits = torch.randn(1, VOCAB, device="cuda")
         self.tokens = torch.zeros(steps + 1, dtype=torch.int64, device="cuda")
         self.device_flags = torch.zeros(8, dtype=torch.int64, device="cuda")
@@ -88,35 +89,48 @@ class Engine:
         self.shm.unlink()
 
     def reset(self):
-        self.torch.cuda.synchronize()
         self.device_flags.zero_()
         self.host[:] = [0] * FLAG_WORDS
         self.torch.cuda.synchronize()
 
-    def timed(self, enqueue, timeout_s: float = 60.0) -> float:
-        """Enqueue every step behind the host gate, open it, and return the GPU's us per step."""
+    def timed(self, enqueue, timeout_s: float = 20.0) -> float:
+        """Enqueue every step behind a gate in device memory, open it from a side stream, and
+        return the GPU's us per step (the host's Python does not pace the run)."""
         torch = self.torch
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        gate = self.device_flags.data_ptr() + 8 * GATE
         with torch.cuda.stream(self.stream):
-            self.ops.wait(self.stream, self.host_flag_ptr + 8 * GATE, 1)
+            self.ops.wait(self.stream, gate, 1)
             start.record()
             enqueue()
             end.record()
-        self.host[GATE] = 1
-        deadline = time.monotonic() + timeout_s
-        while not end.query():
-            if time.monotonic() > deadline:
-                self.release()
-                end.synchronize()
-                raise TimeoutError("a run did not finish: its waits were released")
-            time.sleep(0.0005)
+        with torch.cuda.stream(self.side):
+            self.device_flags[GATE:GATE + 1].fill_(1)
+        if not _finished(end, timeout_s):
+            self.release()
+            if not _finished(end, 5.0):
+                raise Stuck("a run's waits did not give way when released: its stream cannot go on")
+            raise TimeoutError(f"a run did not finish in {timeout_s} s: its waits were released")
         return start.elapsed_time(end) * 1000 / self.steps
 
     def release(self):
-        """Unblock every wait of either side (a run that stalled)."""
+        """Unblock every wait of either side (a run that stalled), from a side stream."""
         self.host[:] = [RELEASE] * FLAG_WORDS
-        with self.torch.cuda.stream(self.torch.cuda.Stream()):
+        with self.torch.cuda.stream(self.side):
             self.device_flags.fill_(RELEASE)
+
+
+class Stuck(RuntimeError):
+    """A stream that cannot go on: the round ends there."""
+
+
+def _finished(event, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True
 
 
 def expect(conn, what=None, timeout_s: float = 120.0):
@@ -138,9 +152,14 @@ def run_modes(torch, engine: Engine, conn, cycles_per_us: float, forwards_us: li
         cycles = int(forward_us * cycles_per_us)
         for repeat in range(repeats):
             for mode in modes:
+                print(f"{mode:>14} forward {forward_us:>5} us  repeat {repeat}: ...", flush=True)
                 engine.reset()
                 try:
                     us = run_mode(torch, engine, conn, mode, cycles)
+                except Stuck as exc:
+                    rows.append({"mode": mode, "forward_us": forward_us, "repeat": repeat, "error": repr(exc)})
+                    print(f"{mode:>14}: {exc!r}; the round ends", flush=True)
+                    return rows
                 except Exception as exc:  # noqa: BLE001 - recorded, the other modes go on
                     engine.release()
                     torch.cuda.synchronize()
@@ -206,7 +225,8 @@ def ipc_event_steps(torch, engine: Engine, conn, cycles: int) -> float:
 
 def summarize(rows: list[dict]) -> list[str]:
     med = {}
-    for row in rows:
+    errors = [f"{row['mode']} forward {row['forward_us']} us: {row['error']}" for row in rows if "error" in row]
+    for row in (r for r in rows if "error" not in r):
         med.setdefault((row["mode"], row["forward_us"]), []).append(row["us_per_step"])
     lines = ["| mode | forward (us) | us per step (median) | added over in_process | repeats |", "|---|---:|---:|---:|---|"]
     for (mode, forward_us), values in sorted(med.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -214,7 +234,7 @@ def summarize(rows: list[dict]) -> list[str]:
         m = statistics.median(values)
         lines.append(f"| {mode} | {forward_us} | {m:.1f} | {m - floor:+.1f} | "
                      f"{', '.join(f'{v:.1f}' for v in values)} |")
-    return lines
+    return lines + errors
 
 
 def start_mps(env: dict) -> tuple[bool, str]:
@@ -244,6 +264,7 @@ def one_round(label: str, args, modes: list[str]) -> dict:
     ops = StreamOps()
     engine = Engine(torch, ops, args.steps)
     cycles_per_us = sleep_cycles_per_us(torch)
+    print(f"{label}: engine ready, torch.cuda._sleep at {cycles_per_us:.0f} cycles/us", flush=True)
     ctx = torch.multiprocessing.get_context("spawn")  # its reductions pass CUDA tensors over IPC
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=server.serve, args=(child, engine.device_flags, engine.shm.name, engine.logits,
@@ -251,6 +272,7 @@ def one_round(label: str, args, modes: list[str]) -> dict:
     proc.start()
     try:
         expect(parent, "ready")
+        print(f"{label}: server ready", flush=True)
         rows = run_modes(torch, engine, parent, cycles_per_us, args.forwards, args.repeats, modes)
         parent.send(("stop",))
     finally:
@@ -269,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="in_process,device_flags,host_flags,ipc_events,graph_wait")
     parser.add_argument("--mps", action="store_true", help="also under an MPS daemon started here")
     parser.add_argument("--out", default="stream_probe.json")
+    parser.add_argument("--budget-s", type=float, default=400, help="end (exit 3) after this long, whatever is left")
     args = parser.parse_args(argv)
+    watchdog = threading.Timer(args.budget_s, _out_of_time, (args.budget_s,))
+    watchdog.daemon = True
+    watchdog.start()
     modes = args.modes.split(",")
     report = {"runtime": runtime_name(), "python": sys.version.split()[0], "rounds": []}
     print(f"runtime: {report['runtime']}", flush=True)
@@ -299,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## {round_['label']} ({report['runtime']}); facts: {round_.get('facts')}")
         print("\n".join(summarize(round_.get("rows", []))))
     return 0
+
+
+def _out_of_time(budget_s: float) -> None:
+    print(f"--budget-s {budget_s:g} spent: exiting (the rows printed above are the results)", flush=True)
+    os._exit(3)
 
 
 def _mps_round(queue, args, modes):
