@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--stack-samples", metavar="FILE", help="sample the first server's threads into FILE")
+    parser.add_argument("--server-args", nargs="+", metavar="FLAGS",
+                        help="more flags for each tree's server, one string a tree (e.g. '--busy-poll-us 0' '')")
     parser.add_argument("--kernel-worker", action="store_true", help=argparse.SUPPRESS)  # KernelTimer's child
     args = parser.parse_args(argv)
     if args.kernel_worker:
@@ -173,10 +176,13 @@ def main(argv: list[str] | None = None) -> int:
         hook = sitecustomize_dir(here, tempfile.mkdtemp(prefix="stack-profile-"))
         server_envs[0]["PYTHONPATH"] = os.pathsep.join([hook, server_envs[0]["PYTHONPATH"]])
         server_envs[0][ENV] = os.path.abspath(args.stack_samples)
+    flags = args.server_args or [""] * len(envs)
+    if len(flags) != len(envs):
+        parser.error(f"--server-args: one string a tree ({len(envs)}), got {len(flags)}")
     kernels = [KernelTimer(e, args.vocab) for e in envs]
     specs = [ServerSpec(f"cpu {i}", serve_argv("--device", "cpu", "--backend", "torch", "--warmup-dtypes", "float32",
-                                               "--warmup-widths", str(args.vocab)), env=e)
-             for i, e in enumerate(server_envs)] + [ServerSpec("echo", echo_argv(), is_echo=True)]
+                                               "--warmup-widths", str(args.vocab), *shlex.split(f)), env=e)
+             for i, (e, f) in enumerate(zip(server_envs, flags))] + [ServerSpec("echo", echo_argv(), is_echo=True)]
     windows = {}
     try:
         with running_all(specs, startup_timeout_s=300) as (*servers, echo), contextlib.ExitStack() as stack:
@@ -207,13 +213,13 @@ def main(argv: list[str] | None = None) -> int:
           f"(ms)\n")
     print("| tree | call | request | service p50 | kernel in process p50 | service adds (p50 of the rounds) | "
           "target (2x plain's + 5) | met | gRPC floor p50 |\n|---|---|---:|---:|---:|---:|---:|---|---:|")
-    for kernel, result in zip(kernels, results):
+    for kernel, result, tree_flags in zip(kernels, results, flags):
         line = 2 * result["plain"]["adds"] + 5
         for name in CALLS:
             r = result[name]
             target = "" if name == "plain" else f"{line:.2f}"
             met = "" if name == "plain" else ("yes" if r["adds"] <= line * 1.1 else "no")
-            print(f"| {kernel.tree} | {name} | {r['mb']:.1f} MB | {r['service']:.2f} | {r['kernel']:.2f} | "
+            print(f"| {kernel.tree} {tree_flags} | {name} | {r['mb']:.1f} MB | {r['service']:.2f} | {r['kernel']:.2f} | "
                   f"**{r['adds']:.2f}** | {target} | {met} | {r['floor']:.2f} |")
     if windows:
         from .stack_profile import summarize
