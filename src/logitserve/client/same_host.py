@@ -12,10 +12,11 @@ several threads (or an AsyncClient's tasks) queue for it; open one client per th
 The channel is an optimisation: a client that cannot have one (the server has channels off, has
 all it may open, or has given this token its share; the server is on another host; its
 ``/dev/shm`` is short) calls over gRPC, says so once in its log (logger ``logitserve.client``)
-and asks again every ``reopen_after_s`` (:class:`SameHost`, 30 s). A request ``/dev/shm`` has no room for goes by gRPC
-(its pages are reserved before it is written: logitserve.v1.channel_memory). A channel idle past
-the server's sweep lets go of its ports (its iceoryx2 node and port take one of the service's
-places for callers, which a live idle client would otherwise keep).
+and asks again every ``reopen_after_s`` (:class:`SameHost`, 30 s). A request ``/dev/shm`` has
+no room for goes by gRPC (its pages are reserved before it is written:
+logitserve.v1.channel_memory). A channel idle past the server's sweep lets go of its ports (its
+iceoryx2 node and port take one of the service's places for callers, which a live idle client
+would otherwise keep).
 
 Errors are raised as :class:`ChannelError`, a ``grpc.RpcError`` with the server's status code and
 message, so the client retries and reports them as it does gRPC's.
@@ -164,6 +165,9 @@ class SameHostChannel:
             log.warning(message)
 
     def _release_when_idle(self, after_s: float) -> None:
+        """(Re)arm the idle timer: one per client, whatever its channels before."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         timer = threading.Timer(after_s, self._release_if_idle)
         timer.daemon = True
         self._idle_timer = timer
@@ -235,9 +239,7 @@ class SameHostChannel:
         try:
             out = ports.client.loan_slice_uninit(size)
         except Exception as exc:  # noqa: BLE001 - iceoryx2's loan errors
-            raise ChannelError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"channel: cannot send ({exc!r}): its slots are held by earlier calls whose "
-                               f"deadlines passed before the server answered them; retry later") from None
+            raise _slots_held(exc) from None
         at = out.payload().data_ptr
         try:
             channel_memory.reserve("channel: the request", at, size)
@@ -248,8 +250,8 @@ class SameHostChannel:
         ctypes.memmove(at + len(head), request, len(request))
         try:
             return out.assume_init().send()
-        except Exception as exc:  # noqa: BLE001 - iceoryx2's send errors: the server's port is gone
-            raise ChannelError(grpc.StatusCode.UNAVAILABLE, f"channel: cannot send ({exc!r})") from None
+        except Exception as exc:  # noqa: BLE001 - iceoryx2's send errors
+            raise _slots_held(exc) from None
 
     def _wait(self, ports: Ports, pending, deadline: float | None) -> bytes:
         poll_until = time.perf_counter() + self._poll_s
@@ -284,6 +286,12 @@ class SameHostChannel:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
         self._ports = None
+
+
+def _slots_held(exc: Exception) -> ChannelError:
+    return ChannelError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"channel: cannot send ({exc!r}): its slots are held by earlier calls whose deadlines "
+                        f"passed before the server answered them; retry later")
 
 
 def _deadline(timeout: float | None) -> float | None:
