@@ -275,3 +275,24 @@ def test_a_lone_calls_failure_is_reported_in_full_though_its_caller_leaves():
     assert bad.cancelled() and result == 20
     assert launched_during_check == [[1]] and handle.batches == [[1], [2]]
     assert order == ["check", "checked", "answered"]
+
+
+def test_a_launch_dropped_unrun_by_close_cancels_its_caller():
+    async def main():
+        handle = DeviceHandle("cpu", backend="torch")
+        release = threading.Event()
+        running = asyncio.ensure_future(handle.submit(release.wait, 5))
+        await asyncio.sleep(0.01)
+        queued = asyncio.ensure_future(handle.submit(int, 1))  # behind it on the launch thread
+        await asyncio.sleep(0.01)
+        closing = asyncio.get_running_loop().run_in_executor(None, handle.close)  # cancels what is queued
+        await asyncio.sleep(0.01)
+        release.set()
+        await closing
+        ran = await running
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(queued, 5)  # not a TimeoutError: the caller is not left waiting
+        return ran, handle.thread_busy
+
+    ran, busy = run(main())
+    assert ran is True and not busy

@@ -18,13 +18,15 @@ work (about forty torch calls), and calls arriving meanwhile could not join the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import enum
+import functools
 import logging
 import platform
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -220,8 +222,10 @@ class DeviceHandle:
         """
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        work = self._executor.submit(self._run_and_settle, [loop, done, fn, args])
+        job = [loop, done, fn, args]
+        work = self._executor.submit(self._run_and_settle, job)
         self._thread_work += 1
+        work.add_done_callback(functools.partial(self._never_ran, job))
         try:
             return await done
         except asyncio.CancelledError:
@@ -251,11 +255,23 @@ class DeviceHandle:
         loop.call_soon_threadsafe(self._settle, done, result, failure)
         del done, fn, args, result, failure
 
-    def _settle(self, done: asyncio.Future, result, failure: BaseException | None) -> None:
+    def _never_ran(self, job: list, _work: Future) -> None:
+        """A job's work ended: when it was dropped unrun (:meth:`close` cancels what is queued;
+        ``job`` still full, the thread empties it), its caller is cancelled, not left waiting for
+        ever."""
+        if job:
+            loop, done = job[0], job[1]
+            job.clear()
+            with contextlib.suppress(RuntimeError):  # the loop is closed: no one is waiting
+                loop.call_soon_threadsafe(self._settle, done, None, None, True)
+
+    def _settle(self, done: asyncio.Future, result, failure: BaseException | None, dropped: bool = False) -> None:
         self._thread_work -= 1
         if done.cancelled():  # the caller left: what fn returned or raised goes nowhere
             return
-        if failure is not None:
+        if dropped:
+            done.cancel()
+        elif failure is not None:
             done.set_exception(failure)
         else:
             done.set_result(result)
