@@ -1,25 +1,27 @@
-"""Issue 45's lone tiny call on a CPU server: event-loop callbacks per call, latency over gRPC and
-the same-host channel, and the server's CPU time per call, two source trees interleaved.
+"""Issue 45's lone tiny call: event-loop callbacks per call, latency over gRPC and the same-host
+channel, and the server's CPU time per call, two source trees interleaved.
 
     python -m bench.lone_call turns                      # this process's tree: loop callbacks a call
     python -m bench.lone_call compare --before B/src --after A/src [--rounds 3] [--out lone.json]
     python -m bench.lone_call profile --tree A/src --stack-samples FILE [--transport shm] [--busy-poll-us 0]
 
-``turns``: an in-process server (``ServerThread``, torch backend) on the loop ``logitserve serve``
-runs (busy polling, 2000 us), asyncio's ``Handle._run`` counted on the server's thread (patched in
-this process only: no hook in the server). Each call is counted from before the client sends to
-20 ms after its answer (so the metrics and log callbacks that follow the answer count too), the
-median of ``--calls`` calls, with one call's callbacks by name.
+``--device`` / ``--backend`` pick the servers' device (default cpu, torch; ``--device cuda:0
+--backend auto`` on a GPU host).
+
+``turns``: an in-process server (``ServerThread``) on the loop ``logitserve serve`` runs (busy
+polling, 2000 us), asyncio's ``Handle._run`` counted on the server's thread (patched in this
+process only: no hook in the server). Each call is counted from before the client sends to 20 ms
+after its answer (so the metrics and log callbacks that follow the answer count too), the median
+of ``--calls`` calls, with one call's callbacks by name.
 
 ``compare``: ``turns`` for each tree (a subprocess with PYTHONPATH set to it), then one server
-subprocess per tree and busy-poll setting (``--device cpu --backend torch --max-delay-us 0``, the
-default ``--busy-poll-us 2000`` and 0), measured round by round in turn from this process:
-RouteExperts 1x8 float32 k=2 and Sample 1x32000 float32, each over gRPC and over the same-host
-channel, ``--seconds`` per case and round; p50/p99 of each call, and the server's CPU time
-(utime + stime of ``/proc/<pid>/stat``, all its threads) over the case's calls. The client is
-this process's tree. A lone client calling back to back keeps a busy-polling server spinning
-between calls: its CPU per call is mostly that spin, so the poll-off servers show the calls' own
-CPU.
+subprocess per tree and busy-poll setting (``--max-delay-us 0``, the default ``--busy-poll-us
+2000`` and 0), measured round by round in turn from this process: RouteExperts 1x8 float32 k=2
+and Sample 1x32000 float32, each over gRPC and over the same-host channel, ``--seconds`` per case
+and round; p50/p99 of each call, and the server's CPU time (utime + stime of
+``/proc/<pid>/stat``, all its threads) over the case's calls. The client is this process's tree.
+A lone client calling back to back keeps a busy-polling server spinning between calls: its CPU
+per call is mostly that spin, so the poll-off servers show the calls' own CPU.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import numpy as np
 
 from .servers import ServerSpec, running_all, serve_argv
 
-SERVER_FLAGS = ("--device", "cpu", "--backend", "torch", "--max-delay-us", "0", "--warmup-dtypes", "float32")
+SERVER_FLAGS = ("--max-delay-us", "0", "--warmup-dtypes", "float32")
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
@@ -51,10 +53,14 @@ def _cases(client):
             "sample_1x32000": lambda: client.sample(logits, temperature=0.8, top_k=50, top_p=0.9, seed=1)}
 
 
+def _flags(args) -> tuple[str, ...]:
+    return ("--device", args.device, "--backend", args.backend, *SERVER_FLAGS)
+
+
 # ------------------------------------------------------------------------------------ turns
 
 
-def turns(calls: int) -> dict:
+def turns(calls: int, device: str, backend: str) -> dict:
     """Loop callbacks per lone call, by case and transport, on an in-process server."""
     from logitserve.client import Client
     from logitserve.server import ServerConfig
@@ -75,7 +81,7 @@ def turns(calls: int) -> dict:
         return run(handle)
 
     asyncio.events.Handle._run = counting
-    config = ServerConfig(host="127.0.0.1", port=0, device="cpu", backend="torch", warmup_dtypes=())
+    config = ServerConfig(host="127.0.0.1", port=0, device=device, backend=backend, warmup_dtypes=())
     new_loop = asyncio.new_event_loop
     asyncio.new_event_loop = lambda: BusyPollEventLoop(config.busy_poll_us)  # as `logitserve serve` runs
     try:
@@ -135,12 +141,13 @@ def compare(args) -> dict:
     result = {"turns": {}, "rounds": []}
     for label, src in trees.items():
         env = dict(os.environ, PYTHONPATH=src)
-        out = subprocess.run([sys.executable, "-m", "bench.lone_call", "turns", "--calls", str(args.turn_calls)],
+        out = subprocess.run([sys.executable, "-m", "bench.lone_call", "turns", "--calls", str(args.turn_calls),
+                              "--device", args.device, "--backend", args.backend],
                              env=env, check=True, capture_output=True, text=True).stdout
         result["turns"][label] = json.loads(out)
         print(f"# turns {label}: " + ", ".join(f"{k} {v['median']}" for k, v in result["turns"][label].items()),
               file=sys.stderr, flush=True)
-    specs = [ServerSpec(f"{label} poll {poll}", serve_argv(*SERVER_FLAGS, "--busy-poll-us", str(poll)),
+    specs = [ServerSpec(f"{label} poll {poll}", serve_argv(*_flags(args), "--busy-poll-us", str(poll)),
                         env=dict(os.environ, PYTHONPATH=src))
              for poll in (2000, 0) for label, src in trees.items()]
     with running_all(specs, 600) as servers, contextlib.ExitStack() as stack:
@@ -174,7 +181,7 @@ def profile(args) -> list[str]:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hook = sitecustomize_dir(repo, tempfile.mkdtemp(prefix="stack-profile-"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([hook, args.tree]), **{ENV: os.path.abspath(args.stack_samples)})
-    spec = ServerSpec("profiled", serve_argv(*SERVER_FLAGS, "--busy-poll-us", str(args.busy_poll_us)), env=env)
+    spec = ServerSpec("profiled", serve_argv(*_flags(args), "--busy-poll-us", str(args.busy_poll_us)), env=env)
     with running_all([spec], 600) as (server,), Client(server.target, timeout=60, channel=args.transport) as client:
         call = _cases(client)["route_1x8"]
         for _ in range(200):
@@ -221,12 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--busy-poll-us", type=int, default=0)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--stack-samples", required=True, metavar="FILE")
+    for mode in (t, c, p):
+        mode.add_argument("--device", default="cpu", help="the server's --device (default cpu)")
+        mode.add_argument("--backend", default="torch", help="the server's --backend (default torch)")
     args = parser.parse_args(argv)
     if args.mode == "profile":
         print("\n".join(profile(args)))
         return 0
     if args.mode == "turns":
-        print(json.dumps(turns(args.calls)))
+        print(json.dumps(turns(args.calls, args.device, args.backend)))
         return 0
     result = compare(args)
     if args.out:
