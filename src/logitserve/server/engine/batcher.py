@@ -9,10 +9,11 @@ A lone call (no launch under way, no call queued, ``max_delay_s`` 0: nothing cou
 skips the queue: its handler's own task launches it and awaits the launch, which saves the
 worker's wake-up and the hand-over of the result (:meth:`Batcher.submit`). Calls that arrive
 meanwhile queue, and the worker launches them once that launch is done. Before a launch, calls
-whose client cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. The queue is bounded: at ``max_queue`` waiting
-calls, :meth:`Batcher.submit` raises :class:`QueueFull` at once. When a launch of several calls
-fails, each call is retried alone, so one bad request cannot fail its neighbours; after a call
-fails alone, ``on_failure`` (if given) sees why.
+whose client cancelled are gone and calls past their deadline fail with DEADLINE_EXCEEDED. The
+queue is bounded: at ``max_queue`` waiting calls, :meth:`Batcher.submit` raises
+:class:`QueueFull` at once. When a launch of several calls fails, each call is retried alone,
+so one bad request cannot fail its neighbours; after a call fails alone, ``on_failure`` (if
+given) sees why.
 
 How a launch waits for the device is decided here, in :meth:`Batcher.wait_for`.
 """
