@@ -25,6 +25,7 @@ message, so the client retries and reports them as it does gRPC's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import math
@@ -38,7 +39,7 @@ from logitserve.v1 import channel_format as fmt
 from logitserve.v1 import channel_memory
 from logitserve.v1 import logitserve_pb2 as pb
 
-from .same_host_ports import INITIAL_SLICE_BYTES, NoChannelHere, Ports
+from .same_host_ports import CODES, ChannelError, NoChannelHere, Ports
 from .transport import time_left
 
 # How often a call waiting for its answer asks iceoryx2 to clean up the ports of dead processes
@@ -66,23 +67,6 @@ class SameHost:
         value = self.reopen_after_s
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             raise ValueError(f"SameHost.reopen_after_s: must be a finite number of seconds >= 0, got {value!r}")
-
-
-class ChannelError(grpc.RpcError):
-    """A channel call's failure, with a gRPC status code and the server's message."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def options(channel) -> SameHost | None:
@@ -213,45 +197,27 @@ class SameHostChannel:
         deadline = None if timeout is None else time.perf_counter() + timeout
         head = fmt.REQUEST_HEADER.pack(ports.key, fmt.METHOD_NUMBERS[method], 0,
                                        0 if timeout is None else max(1, int(timeout * 1e6)))
-        size = len(head) + len(request)
         with self._lock:
             try:
-                pending = self._send(ports, head, request, size)
+                pending = ports.send(head, request)
                 ports.wake.notify()
                 try:
                     answer = self._wait(ports, pending, deadline)
                 finally:
                     pending.delete()
+            except (ChannelError, channel_memory.NoRoom):
+                raise
+            except Exception as exc:  # noqa: BLE001 - iceoryx2's own: this channel is of no more use
+                self._forget(ports)
+                raise ChannelError(grpc.StatusCode.UNAVAILABLE, f"channel: {exc!r}; open a new one") from None
             finally:
                 self._last_used = time.monotonic()
         code, _request_id, details, message = fmt.read_answer(answer)
         if code != 0:
             if details.startswith(fmt.UNKNOWN_KEY):
                 self._forget(ports)  # the caller opens a new one and sends the call again
-            raise ChannelError(_CODES.get(code, grpc.StatusCode.UNKNOWN), details)
+            raise ChannelError(CODES.get(code, grpc.StatusCode.UNKNOWN), details)
         return message
-
-    @staticmethod
-    def _send(ports: Ports, head: bytes, request: bytes, size: int):
-        """Write the request into reserved pages of a loaned slice and send it: its pending answer."""
-        if size > INITIAL_SLICE_BYTES:  # a loan past the first slots may make iceoryx2 write a new segment
-            channel_memory.check_room("channel: the request", size)
-        try:
-            out = ports.client.loan_slice_uninit(size)
-        except Exception as exc:  # noqa: BLE001 - iceoryx2's loan errors
-            raise _slots_held(exc) from None
-        at = out.payload().data_ptr
-        try:
-            channel_memory.reserve("channel: the request", at, size)
-        except channel_memory.NoRoom:
-            out.delete()
-            raise
-        ctypes.memmove(at, head, len(head))
-        ctypes.memmove(at + len(head), request, len(request))
-        try:
-            return out.assume_init().send()
-        except Exception as exc:  # noqa: BLE001 - iceoryx2's send errors
-            raise _slots_held(exc) from None
 
     def _wait(self, ports: Ports, pending, deadline: float | None) -> bytes:
         poll_until = time.perf_counter() + self._poll_s
@@ -288,10 +254,14 @@ class SameHostChannel:
         self._ports = None
 
 
-def _slots_held(exc: Exception) -> ChannelError:
-    return ChannelError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"channel: cannot send ({exc!r}): its slots are held by earlier calls whose deadlines "
-                        f"passed before the server answered them; retry later")
+def _close_request(key: bytes) -> bytes:
+    return pb.CloseChannelRequest(key=key).SerializeToString()
+
+
+def _quietly(call, rpc: str, message: bytes) -> None:
+    """A best-effort call (CloseChannel: the server closes the channel when idle otherwise)."""
+    with contextlib.suppress(grpc.RpcError):
+        call(rpc, message)
 
 
 def _deadline(timeout: float | None) -> float | None:
@@ -310,34 +280,27 @@ def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel |
     grpc_methods = dict(grpc_methods)  # gRPC's own: the caller puts the carried methods in its dict
     open_request = pb.OpenChannelRequest().SerializeToString()
 
-    def close_request(key: bytes) -> bytes:
-        return pb.CloseChannelRequest(key=key).SerializeToString()
-
-    def by_grpc(exc: channel_memory.NoRoom) -> None:
+    def no_room(exc: channel_memory.NoRoom) -> None:
         same_host.say_once("no room", f"channel='shm': {exc}; such calls go over gRPC")
 
     opening = None  # the AsyncClient's lock around OpenChannel (made on its loop)
 
     def blocking(name):
-        def close_channel(key, deadline, metadata):
-            try:
-                grpc_methods["CloseChannel"](close_request(key), timeout=time_left(deadline), metadata=metadata)
-            except grpc.RpcError:
-                pass  # best effort: the server closes it when idle
-
         def method(request, timeout=None, metadata=()):
             deadline = _deadline(timeout)
+
+            def by_grpc(rpc, message):
+                return grpc_methods[rpc](message, timeout=time_left(deadline), metadata=metadata)
             for resend in (False, True):
-                ports = same_host.ports(
-                    lambda: grpc_methods["OpenChannel"](open_request, timeout=time_left(deadline), metadata=metadata),
-                    lambda key: close_channel(key, deadline, metadata))
+                ports = same_host.ports(lambda: by_grpc("OpenChannel", open_request),
+                                        lambda key: _quietly(by_grpc, "CloseChannel", _close_request(key)))
                 if ports is None or not same_host.fits(ports, request):
-                    return grpc_methods[name](request, timeout=time_left(deadline), metadata=metadata)
+                    return by_grpc(name, request)
                 try:
                     return same_host.call(ports, name, request, time_left(deadline))
                 except channel_memory.NoRoom as exc:
-                    by_grpc(exc)
-                    return grpc_methods[name](request, timeout=time_left(deadline), metadata=metadata)
+                    no_room(exc)
+                    return by_grpc(name, request)
                 except ChannelError as exc:
                     if resend or not exc.details().startswith(fmt.UNKNOWN_KEY):
                         raise
@@ -358,11 +321,9 @@ def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel |
                     else:
                         unusable = same_host.take(opened)
                         if unusable is not None:
-                            try:
-                                await grpc_methods["CloseChannel"](close_request(unusable),
+                            with contextlib.suppress(grpc.RpcError):  # best effort: closed when idle otherwise
+                                await grpc_methods["CloseChannel"](_close_request(unusable),
                                                                    timeout=time_left(deadline), metadata=metadata)
-                            except grpc.RpcError:
-                                pass  # best effort: the server closes it when idle
                 return same_host._ports
 
         async def method(request, timeout=None, metadata=()):
@@ -374,7 +335,7 @@ def bind(channel, grpc_methods: dict, is_async: bool) -> tuple[SameHostChannel |
                 try:
                     return await asyncio.to_thread(same_host.call, ports, name, request, time_left(deadline))
                 except channel_memory.NoRoom as exc:
-                    by_grpc(exc)
+                    no_room(exc)
                     return await grpc_methods[name](request, timeout=time_left(deadline), metadata=metadata)
                 except ChannelError as exc:
                     if resend or not exc.details().startswith(fmt.UNKNOWN_KEY):
@@ -390,7 +351,7 @@ def closing_calls(same_host: SameHostChannel | None, unregister_requests):
     for its open channel (whose ports it then drops), then ``unregister_requests``'."""
     if same_host is not None:
         if same_host.key is not None:
-            yield "CloseChannel", pb.CloseChannelRequest(key=same_host.key).SerializeToString()
+            yield "CloseChannel", _close_request(same_host.key)
         same_host.close()
     for request in unregister_requests:
         yield "UnregisterSharedMemory", request

@@ -1,7 +1,8 @@
 """The iceoryx2 ports of a same-host channel the server has opened for this client
 (:mod:`.same_host`): made from OpenChannel's answer, or :class:`NoChannelHere` saying why they
 cannot be (another channel format or iceoryx2 release, a server whose services this process
-does not see, the service's places for callers all taken).
+does not see, the service's places for callers all taken); a request written into them; and
+:class:`ChannelError`, what a channel call raises.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 
+import grpc
+
 from logitserve.v1 import channel_format as fmt
+from logitserve.v1 import channel_memory
 from logitserve.v1 import logitserve_pb2 as pb
 
 # Longest a waiting call sleeps before it looks again without being woken: bounds how late it
@@ -18,6 +22,23 @@ from logitserve.v1 import logitserve_pb2 as pb
 WAIT_SLICE_S = 0.005
 # First size of the request slots: larger requests may make iceoryx2 write a new, larger segment.
 INITIAL_SLICE_BYTES = 4096
+
+
+class ChannelError(grpc.RpcError):
+    """A channel call's failure, with a gRPC status code and the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class NoChannelHere(Exception):
@@ -67,3 +88,32 @@ class Ports:
         self.wake = self.wake_service.notifier_builder().create()
         self.answered_service = service(opened.client_event).event().open()
         self.answered = self.answered_service.listener_builder().create()
+
+    def send(self, head: bytes, request: bytes):
+        """Write ``head`` and ``request`` into reserved pages of a loaned slice and send them: the
+        pending answer. Raises channel_memory.NoRoom (nothing sent) where /dev/shm has no room."""
+        size = len(head) + len(request)
+        if size > INITIAL_SLICE_BYTES:  # a loan past the first slots may make iceoryx2 write a new segment
+            channel_memory.check_room("channel: the request", size)
+        try:
+            out = self.client.loan_slice_uninit(size)
+        except Exception as exc:  # noqa: BLE001 - iceoryx2's loan errors
+            raise _slots_held(exc) from None
+        at = out.payload().data_ptr
+        try:
+            channel_memory.reserve("channel: the request", at, size)
+        except channel_memory.NoRoom:
+            out.delete()
+            raise
+        ctypes.memmove(at, head, len(head))
+        ctypes.memmove(at + len(head), request, len(request))
+        try:
+            return out.assume_init().send()
+        except Exception as exc:  # noqa: BLE001 - iceoryx2's send errors
+            raise _slots_held(exc) from None
+
+
+def _slots_held(exc: Exception) -> ChannelError:
+    return ChannelError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"channel: cannot send ({exc!r}): its slots are held by earlier calls whose deadlines "
+                        f"passed before the server answered them; retry later")
