@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ import pytest
 from channel_raw import RawChannel, assert_same, close_channel, open_channel
 from prometheus_client import generate_latest
 
-from logitserve.client import Client, LogitServeError, same_host
+from logitserve.client import AsyncClient, Client, LogitServeError, same_host
 from logitserve.server import ServerConfig
 from logitserve.server.regions import owner_of
 from logitserve.server.testing import ServerThread
@@ -132,6 +133,25 @@ def test_a_client_without_a_channel_calls_over_grpc(token_file, caplog):
         assert _said(caplog) == ["channel='shm': no same-host channel, calling over gRPC (OpenChannel: "
                                  "RESOURCE_EXHAUSTED: channels: 2 open, this server's limit is 2 (--max-channels); "
                                  "close unused ones (CloseChannel) or call over gRPC); asking again every 30 s"]
+
+
+def test_an_async_client_without_a_channel_calls_over_grpc(caplog):
+    """The same for AsyncClient, against a server that runs without channels."""
+    with _server(channels=False) as server, Client(server.target, timeout=20) as over_grpc:
+        expected = over_grpc.sample(X, seed=4)
+
+        async def calls():
+            async with AsyncClient(server.target, channel="shm", retries=0, timeout=20) as client:
+                answers = [await client.sample(X, seed=4) for _ in range(3)]
+                return answers, client._same_host.is_open
+        with caplog.at_level(logging.WARNING, logger="logitserve.client"):
+            answers, is_open = asyncio.run(calls())
+        for answer in answers:
+            assert_same(answer, expected)
+        assert not is_open
+        assert _said(caplog) == ["channel='shm': no same-host channel, calling over gRPC (OpenChannel: "
+                                 "FAILED_PRECONDITION: channels: this server runs with --channels off; call over "
+                                 "gRPC); asking again every 30 s"]
 
 
 def test_an_answer_sent_as_the_server_stops_reaches_its_caller(monkeypatch, caplog):
