@@ -89,6 +89,9 @@ class DeviceHandle:
         self.warmed_dtypes: list[torch.dtype] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"logitserve-{self.device}")
         self._thread_work = 0  # submitted to the launch thread and not yet done
+        # Launch-thread work whose caller was cancelled and left (submit): the next launch waits
+        # for it (_after_detached), and its leases are released only once it is done (run_batch).
+        self._detached: set[Future] = set()
         self._lock = asyncio.Lock()  # one launch at a time: warm-up and the batcher share the device
         # The fault-injection point for tests and benchmarks, set in-process only (never from the
         # wire): called with a batch's calls on the launch thread before each launch of a batch
@@ -124,9 +127,10 @@ class DeviceHandle:
         ``wait`` says (a capture or an eager launch always runs on the launch thread).
 
         Calls with regions (``call.regions``, server/regions/calls.py) hold their leases from
-        here until the device has finished with them: whatever ends this coroutine, it returns
-        only once the launch thread and the stream are done (:meth:`submit`, :meth:`_polled`),
-        so a client that cancels meanwhile cannot have its memory unmapped under a kernel.
+        here until the device has finished with them, so a client that cancels meanwhile cannot
+        have its memory unmapped under a kernel. A caller cancelled while the launch thread works
+        for it returns at once (the drain's answer must not wait for a slow launch); its leases
+        are released, and the next launch starts, only once the thread is done (:meth:`submit`).
         """
         held = []
         try:
@@ -143,8 +147,12 @@ class DeviceHandle:
             finally:
                 _wait.reset(token)
         finally:
-            for regions in held:
-                regions.release()
+            detached = [work for work in self._detached if not work.done()]
+            if held and detached:
+                asyncio.ensure_future(_release_after(detached, held))
+            else:
+                for regions in held:
+                    regions.release()
 
     async def launch(self, key, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray]:
         """An op's batched launch, alone on the device; its outputs on the host, as arrays.
@@ -156,6 +164,7 @@ class DeviceHandle:
         for as the batch's :meth:`run_batch` says.
         """
         async with self._lock:
+            await self._after_detached()
             if self.graphs is not None:
                 bucket = bucket_rows(rows)
                 stage = stage_for(bucket)
@@ -216,9 +225,10 @@ class DeviceHandle:
         ``call_soon_threadsafe``), straight into the future the caller awaits: no executor
         future copied over, no shield in between.
 
-        A caller cancelled meanwhile gets its CancelledError once ``fn`` has returned, not before:
-        until then the thread is using the stream, and the device must not pass to a replay on
-        the event loop.
+        A caller cancelled meanwhile gets its CancelledError at once; the thread goes on with
+        ``fn`` and the stream, so the work is kept as detached: the next launch waits for it
+        (:meth:`_after_detached`) before the device passes to a replay on the event loop, and the
+        leases of its calls are released once it is done (:meth:`run_batch`).
         """
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -229,13 +239,16 @@ class DeviceHandle:
         try:
             return await done
         except asyncio.CancelledError:
-            if done.cancelled():  # the caller left: wait for the thread, whatever fn's outcome
-                while not work.done():
-                    try:
-                        await asyncio.wait([asyncio.wrap_future(work)])
-                    except asyncio.CancelledError:
-                        pass  # cancelled again: the thread still holds the stream
+            if done.cancelled() and not work.done():  # the caller left: the thread still holds the stream
+                self._detached.add(work)
             raise
+
+    async def _after_detached(self) -> None:
+        """Wait until no cancelled caller's work is left on the launch thread (under the lock)."""
+        while self._detached:
+            self._detached = {work for work in self._detached if not work.done()}
+            if self._detached:
+                await asyncio.wait([asyncio.wrap_future(work) for work in self._detached])
 
     def _run_and_settle(self, job: list) -> None:
         """On the launch thread: ``job``'s ``fn(*args)``, its result or exception handed to its
@@ -280,6 +293,7 @@ class DeviceHandle:
         """Run ``fn(*args)`` alone on the device's launch thread (and stream); return its result
         once the device has finished it."""
         async with self._lock:
+            await self._after_detached()
             return await self.submit(fn, *args)
 
     def check(self) -> None:
@@ -316,3 +330,13 @@ class DeviceHandle:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+async def _release_after(works: list[Future], held: list) -> None:
+    """Release ``held`` leases once the launch thread is done with ``works`` (a cancelled
+    caller's launch, which may still read the regions)."""
+    try:
+        await asyncio.wait([asyncio.wrap_future(work) for work in works])
+    finally:
+        for regions in held:
+            regions.release()
