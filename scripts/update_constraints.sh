@@ -20,6 +20,6 @@ trap 'rm -rf "$scratch"' EXIT
   echo "# pinned: scripts/venv.sh and the Dockerfile install with -c constraints.txt, so a fresh clone"
   echo "# installs what was tested. torch is pinned apart (scripts/venv.sh's TORCH_SPEC)."
   echo "# Made by scripts/update_constraints.sh on $(date -u +%Y-%m-%d) ($("$PYTHON" --version), $(uname -m)); rerun it to move the pins."
-  "$scratch/venv/bin/python" -m pip freeze --exclude-editable | grep -viE '^(torch|logitserve)==' | LC_ALL=C sort -f
+  "$scratch/venv/bin/python" -m pip freeze --exclude-editable | grep -viE '^(torch|logitserve)( ?@|==)' | LC_ALL=C sort -f
 } > constraints.txt
 echo "constraints.txt: $(grep -vc '^#' constraints.txt) packages pinned" >&2

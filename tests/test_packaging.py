@@ -86,6 +86,10 @@ def test_the_environment_is_what_constraints_txt_pins():
         if line and not line.startswith("#"):
             name, _, version = line.partition("==")
             pins[canonical(name)] = version
+    # Only name==version pins: a direct reference (name @ url) or logitserve itself would make a
+    # fresh clone's install of the checkout unresolvable.
+    assert all(version and " " not in name and "@" not in name for name, version in pins.items()) and \
+        "logitserve" not in pins, "constraints.txt: name==version lines only, logitserve not among them"
     # torch is pinned apart (TORCH_SPEC) and brings its own build's packages (nvidia-* with CUDA).
     apart = {"torch", "logitserve", "pip", "setuptools", "wheel"}
     apart |= {canonical(requirement.split(";")[0].split()[0].split("=")[0].split(">")[0].split("<")[0])
