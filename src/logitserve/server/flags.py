@@ -125,7 +125,8 @@ FLAGS = (
      "channel=\"shm\")): calls through shared memory (iceoryx2) instead of gRPC (on, off; off: OpenChannel answers "
      "FAILED_PRECONDITION)"),
     ("--max-channels", int, _D.max_channels, "same-host channels open at once, all clients together (each about 1.6 "
-     "MB of /dev/shm at 32); past it RESOURCE_EXHAUSTED"),
+     "MB of /dev/shm at 32; with tokens, one token holds at most its --token-share); past it OpenChannel is "
+     "RESOURCE_EXHAUSTED and the client calls over gRPC"),
     ("--channel-idle-s", float, _D.channel_idle_s, "a channel without a call for this long is closed (seconds; its "
      "client opens a new one at its next call)"),
     ("--token-share", float, _D.token_share, "with --auth-token-file, the share of each server-wide bound "
