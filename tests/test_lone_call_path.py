@@ -300,3 +300,30 @@ def test_a_launch_dropped_unrun_by_close_cancels_its_caller():
 
     ran, busy = run(main())
     assert ran is True and not busy
+
+
+def test_the_loop_does_not_busy_poll_while_a_calls_checks_run_off_it():
+    """A call's checks on a worker thread count as thread work: a busy-polling loop would take a
+    core and the GIL from them (a processors call was 1.2 ms slower with polling on, 2 cores)."""
+    class Checked:
+        key, rows, value, fail = "k", 1, 7, False
+
+        async def checked(self):
+            seen.append(handle.thread_busy)
+
+    async def main():
+        batcher = Batcher(handle, max_batch_rows=8, max_delay_s=0.0, max_queue=8)
+        handle.run_batch = FakeHandle().run_batch  # the launch itself is not what is checked here
+        batcher.start()
+        try:
+            return await batcher.submit(Checked())
+        finally:
+            await batcher.close()
+
+    seen = []
+    handle = DeviceHandle("cpu", backend="torch")
+    try:
+        assert run(main()) == 70
+    finally:
+        handle.close()
+    assert seen == [True] and not handle.thread_busy

@@ -114,7 +114,8 @@ class Batcher:
         arrived = loop.time()
         checked = getattr(call, "checked", None)
         if checked is not None:
-            await checked()
+            with self.handle.checking():
+                await checked()
             self._admit()  # again: the checks took a while
         now = loop.time()
         deadline = None if timeout is None else arrived + timeout

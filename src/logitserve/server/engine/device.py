@@ -111,8 +111,19 @@ class DeviceHandle:
 
     @property
     def thread_busy(self) -> bool:
-        """Whether the launch thread has work (the event loop then does not busy-poll: server/engine/busy_poll.py)."""
+        """Whether a thread works for the server's calls: the launch thread, or a call's checks
+        off the loop (:meth:`checking`). The event loop then does not busy-poll
+        (server/engine/busy_poll.py): polling would take a core and the GIL from that thread."""
         return self._thread_work > 0
+
+    @contextlib.contextmanager
+    def checking(self):
+        """While a call's checks run on a worker thread (ops' ``checked``): counted as thread work."""
+        self._thread_work += 1
+        try:
+            yield
+        finally:
+            self._thread_work -= 1
 
     @property
     def plan_cache_size(self) -> int:
