@@ -192,9 +192,12 @@ def test_the_launch_threads_outcome_reaches_its_caller_in_three_callbacks(turns)
         handle = DeviceHandle("cpu", backend="torch")
         try:
             await handle.submit(int, 1)  # the thread started
-            before = turns[0]
-            value = await handle.submit(int, 7)
-            spent = turns[0] - before
+            spent = []
+            for _ in range(5):  # the fewest of five: a loaded machine may add a spurious wake-up
+                before = turns[0]
+                value = await handle.submit(int, 7)
+                spent.append(turns[0] - before)
+            spent = min(spent)
             with pytest.raises(ValueError, match="invalid literal"):
                 await handle.submit(int, "x")
             return value, spent, handle.thread_busy
