@@ -295,8 +295,8 @@ def _ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        ids = None
-    if ids is None or any(i < 0 for i in ids):
+        ids = [-1]
+    if any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"{text!r}: must be comma-separated token ids (integers >= 0: 1,2,3)")
     return ids
 
@@ -304,29 +304,23 @@ def _ids(text: str) -> list[int]:
 def _bias(text: str) -> tuple[int, float]:
     """``--bias TOKEN=VALUE``: a token id and the number added to its logit."""
     token, _, value = text.partition("=")
-    try:
-        pair = int(token), float(value)
-    except ValueError:
-        pair = None
-    if pair is None or pair[0] < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be TOKEN=VALUE, a token id and a number (42=-1.5)")
-    return pair
+    with contextlib.suppress(ValueError):
+        if int(token) >= 0:
+            return int(token), float(value)
+    raise argparse.ArgumentTypeError(f"{text!r}: must be TOKEN=VALUE, a token id and a number (42=-1.5)")
 
 
 def _tiny_prompts(parser: argparse.ArgumentParser, prompts: list[str]) -> list[list[int]]:
-    """``--prompt`` with ``--tiny``: token ids of the tiny model's vocabulary, at least one each (text
-    needs ``--model``'s tokenizer); a usage error naming the prompt and the rule otherwise."""
-    rule = (f"with --tiny, a prompt is token ids from 0 to {TINY_VOCAB - 1}, comma-separated (1,2,3); text "
-            f"needs --model")
+    """``--prompt`` with ``--tiny``: token ids of the tiny model's vocabulary, else a usage error."""
     ids = []
     for text in prompts:
         try:
-            row = _ids(text)
+            ids.append(_ids(text))
         except argparse.ArgumentTypeError:
-            row = []
-        if not row or max(row) >= TINY_VOCAB:
-            parser.error(f"argument --prompt: {text!r}: {rule}")
-        ids.append(row)
+            ids.append([])
+        if not ids[-1] or max(ids[-1]) >= TINY_VOCAB:
+            parser.error(f"argument --prompt: {text!r}: with --tiny, a prompt is token ids from 0 to "
+                         f"{TINY_VOCAB - 1}, comma-separated (1,2,3); text needs --model")
     return ids
 
 
@@ -340,18 +334,13 @@ def _arguments(argv=None) -> argparse.Namespace:
     p.add_argument("--server", help="host:port of a logitserve server (default: one in this process)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    for flag, kind, default in (("--max-new-tokens", int, 32), ("--temperature", float, 0.0), ("--top-k", int, 0),
+                                ("--top-p", float, 1.0), ("--seed", int, None), ("--repetition-penalty", float, 1.0),
+                                ("--min-new-tokens", int, 0), ("--logprobs", int, None)):
+        p.add_argument(flag, type=kind, default=default, help="0: greedy" if flag == "--temperature" else None)
     p.add_argument("--bad-words", type=_ids, default=[], help="banned token ids, comma-separated")
-    p.add_argument("--min-new-tokens", type=int, default=0)
-    p.add_argument("--bias", type=_bias, action="append", default=[],
-                   help="TOKEN=VALUE added to a token's logit (repeat)")
+    p.add_argument("--bias", type=_bias, action="append", default=[], help="TOKEN=VALUE added to a token's logit")
     p.add_argument("--eos", type=_ids, help="eos token ids (default: the model's)")
-    p.add_argument("--logprobs", type=int)
     p.add_argument("--stateless", action="store_true", help="send every row's state each step (no sequences)")
     p.add_argument("--transport", default="auto", choices=TRANSPORTS)
     args = p.parse_args(argv)

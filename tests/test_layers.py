@@ -1,7 +1,7 @@
 """The import rules of docs/DESIGN.md ("Layers and import rules"), checked on every import of
 src/logitserve/, those inside functions included: which package may import which, the server's
-layers (no import from a lower layer to a higher one), the kernels' public names only, and no
-module over 400 lines."""
+layers (no import from a lower layer to a higher one), the kernels' public names only; and no
+module over 400 lines, in src/, tests/, bench/, examples/ and scripts/."""
 
 from __future__ import annotations
 
@@ -117,5 +117,7 @@ def test_the_checker_catches_an_upward_import_inside_a_function(tmp_path):
 
 
 def test_no_module_over_400_lines():
-    long = [f"{p.relative_to(SRC)}: {n}" for p in sources() if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    root = SRC.parent
+    modules = [*sources(), *(p for folder in ("tests", "bench", "examples", "scripts") for p in (root / folder).rglob("*.py"))]
+    long = [f"{p.relative_to(root)}: {n}" for p in modules if (n := len(p.read_text().splitlines())) > MAX_LINES]
     assert not long, long
