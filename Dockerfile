@@ -2,13 +2,15 @@
 #
 #   docker build -t logitserve .                       # or: podman build --format docker -t logitserve .
 #   docker run --gpus all -p 50051:50051 logitserve                      # serve on cuda:0
-#   docker run -p 50051:50051 logitserve serve --port 50051 --device cpu  # no GPU
+#   docker run -p 50051:50051 logitserve serve --device cpu               # no GPU
+#   docker run -p 6000:6000 -e LOGITSERVE_PORT=6000 logitserve            # another port (not --port:
+#                                                     the HEALTHCHECK reads LOGITSERVE_PORT too)
 #
 # Warm-up compiles the kernels into Triton's cache (in parallel processes: --compile-processes);
 # a volume keeps that cache across restarts, and warm-up then loads instead of compiling:
 #
 #   docker run --gpus all -p 50051:50051 -v logitserve-triton:/cache logitserve \
-#     serve --port 50051 --compile-cache-dir /cache
+#     serve --compile-cache-dir /cache
 #
 # BASE_IMAGE is a PyTorch image by default: torch (a CUDA build) and triton come from the base
 # image there and are not reinstalled. Triton 3.6 (torch 2.10) or newer is what the kernels

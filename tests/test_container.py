@@ -165,8 +165,10 @@ def server(image: str, podman_env: dict[str, str]):
     """The image serving on the CPU, published on 127.0.0.1 only; yields ``(target, name)``."""
     port = free_port()
     name = f"logitserve-test-{uuid.uuid4().hex[:8]}"
-    _run(["podman", "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:{port}",
-          image, "serve", "--port", str(port), "--device", "cpu"], podman_env, timeout=120)
+    # The port as the Dockerfile says to give another one: LOGITSERVE_PORT, which the server and the
+    # image's HEALTHCHECK both read (a --port the probe would not see).
+    _run(["podman", "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:{port}", "-e", f"LOGITSERVE_PORT={port}",
+          image, "serve", "--device", "cpu"], podman_env, timeout=120)
     try:
         t0 = time.monotonic()
         wait_serving(f"127.0.0.1:{port}", name, podman_env)
