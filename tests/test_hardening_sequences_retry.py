@@ -3,7 +3,9 @@ client saw fail (DEADLINE_EXCEEDED while the launch ran), appending a token and 
 step, so the retry skipped a step. Now a call names the steps it expects (``sequence_steps``;
 the client's Sequences fills them): a repeat of the step last drawn answers what was drawn then
 (tokens, seeds, logprobs), a step not reached or passed further is FAILED_PRECONDITION naming
-the sequence's step, and nothing is drawn twice. On the torch backend and the interpreted Triton
+the sequence's step, and nothing is drawn twice: whether the server drew for the call its client
+saw fail (a batch the worker had taken) or dropped it (a lone call cancelled before its launch).
+On the torch backend and the interpreted Triton
 kernels (the list table's path), and over KServe (``parameters[sequence_step]``).
 """
 
@@ -52,26 +54,51 @@ def _logits(seed: int, rows: int = 1) -> torch.Tensor:
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+def _timed_out_while_held(server, seqs, logits) -> None:
+    """A Sample by ``seqs`` whose launch is held (before_launch) until the client has seen it
+    time out (DEADLINE_EXCEEDED); the hold is released when this returns."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(_calls):  # the launch waits until the client has given up on the call
+        entered.set()
+        release.wait(30)
+
+    server.service.handle.before_launch = hold
+    try:
+        err = _error(seqs.sample, logits, timeout=0.5)
+        assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert entered.wait(30)
+        # The server sees the deadline on its own clock: released only once it has let go of the call.
+        _until(lambda: server.service.guard.running == 0, "the server never let go of the call")
+    finally:
+        server.service.handle.before_launch = None
+        release.set()
+
+
+def _until(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = threading.Event()
+    timer = threading.Timer(timeout_s, deadline.set)
+    timer.start()
+    try:
+        while not predicate():
+            assert not deadline.wait(0.01), what
+    finally:
+        timer.cancel()
+
+
 def test_a_call_the_client_saw_time_out_is_answered_again_not_drawn_again(server, client):
+    """The call was taken by the batcher's worker (a batching delay: no lone launch), which
+    launches it though its client has gone: the server draws for a call the client saw fail."""
     table = server.service.sequences
+    batcher = server.service.batcher
     with client.open_sequences([{"id": 1, "seed": 5, "prompt_token_ids": [3, 4]}]) as seqs:
-        entered, release = threading.Event(), threading.Event()
-
-        def hold(_calls):  # the launch waits until the client has given up on the call
-            entered.set()
-            release.wait(30)
-
-        server.service.handle.before_launch = hold
+        batcher.max_delay_s = 0.001
         try:
-            err = _error(seqs.sample, _logits(0), timeout=0.5)
-            assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert entered.wait(30)
+            _timed_out_while_held(server, seqs, _logits(0))
         finally:
-            server.service.handle.before_launch = None
-            release.set()
+            batcher.max_delay_s = 0.0
         seq = table.lookup(None, [1])[0]
-        while seq.step == 0:  # the server finishes the draw the client no longer waits for
-            threading.Event().wait(0.01)
+        _until(lambda: seq.step == 1, "the server never finished the draw the client no longer waits for")
         assert seqs.steps == [0]  # the failed call left the client's steps as they were
         first = seq.last.token
         again = seqs.sample(_logits(1))  # the retry: other logits, the same step: the draw of then
@@ -79,6 +106,20 @@ def test_a_call_the_client_saw_time_out_is_answered_again_not_drawn_again(server
         assert seq.step == 1 and seq.output_len == (first >= 0) and seqs.steps == [1]
         assert seqs.sample(_logits(2)).token_ids.tolist() == client.sample(_logits(2), seed=5, step=1).token_ids.tolist()
         assert seqs.steps == [2] and seq.step == 2
+
+
+def test_a_lone_call_the_client_saw_time_out_before_its_launch_is_not_drawn(server, client):
+    """A lone call launches from its handler's task: cancelled (the client's deadline) before the
+    launch ran, it is dropped, and the retry of the same step draws it, once."""
+    table = server.service.sequences
+    with client.open_sequences([{"id": 3, "seed": 5, "prompt_token_ids": [3, 4]}]) as seqs:
+        _timed_out_while_held(server, seqs, _logits(0))
+        seq = table.lookup(None, [3])[0]
+        _until(lambda: not server.service.handle.thread_busy, "the held launch never ended")
+        assert seq.step == 0 and seqs.steps == [0]
+        again = seqs.sample(_logits(1))
+        assert again.token_ids.tolist() == client.sample(_logits(1), seed=5, step=0).token_ids.tolist()
+        assert seq.step == 1 and seqs.steps == [1]
 
 
 def test_a_repeat_answers_the_logprobs_it_answered_and_must_ask_the_same(server, client):
