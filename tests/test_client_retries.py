@@ -148,7 +148,8 @@ def test_the_deadline_covers_every_attempt(failing):
             assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED, error
             assert time.monotonic() - started < 1.0
     # 50 ms, then 100 ms of backoff fit in 200 ms; the 200 ms after them does not: at most 3 attempts
-    assert 2 <= handler.calls["GetServerInfo"] <= 3 and 2 <= handler.calls["Sample"] <= 3
+    # (fewer where a loaded machine makes an attempt itself slow)
+    assert 1 <= handler.calls["GetServerInfo"] <= 3 and 1 <= handler.calls["Sample"] <= 3
 
 
 def test_retries_0_sends_each_call_once(failing):
