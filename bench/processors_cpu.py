@@ -89,8 +89,15 @@ def kernel_worker(vocab: int) -> None:
     # Every sampling parameter per row, as the server launches them (server/ops/sample.py).
     params = {k: torch.full((ROWS,), v, dtype=torch.int64 if isinstance(v, int) else torch.float32)
               for k, v in {**FILTERS, "min_p": 0.0, "step": 0}.items()}
-    calls = {"plain": lambda: kernels.sample(x, **params, backend="torch"),
-             "processors": lambda: kernels.sample(x, **params, **PENALTIES, **procs, backend="torch")}
+    serve_timings({"plain": lambda: kernels.sample(x, **params, backend="torch"),
+                   "processors": lambda: kernels.sample(x, **params, **PENALTIES, **procs, backend="torch")})
+
+
+def serve_timings(calls: dict) -> None:
+    """A kernel worker's loop: its tree's path on stdout, then for each call name read on stdin
+    that call's in-process time (ms). On a thread of its own, as the server's launch thread runs
+    them (torch's CPU parallelism is per calling thread)."""
+    from logitserve import kernels
 
     def timed_call(name: str) -> float:
         t0 = time.perf_counter()
@@ -98,18 +105,17 @@ def kernel_worker(vocab: int) -> None:
         return (time.perf_counter() - t0) * 1e3
 
     print(os.path.dirname(os.path.dirname(os.path.realpath(kernels.__file__))), flush=True)
-    # On a thread of its own, as the server's launch thread runs them (torch's CPU parallelism
-    # is per calling thread).
     with ThreadPoolExecutor(1) as launch_thread:
         for line in sys.stdin:
             print(launch_thread.submit(timed_call, line.strip()).result(), flush=True)
 
 
 class KernelTimer:
-    """:func:`kernel_worker` in a subprocess whose ``import logitserve`` is the server's tree."""
+    """A bench's kernel worker (``python -m MODULE --kernel-worker``: :func:`serve_timings`) in a
+    subprocess with ``env``, whose ``import logitserve`` is the server's tree."""
 
-    def __init__(self, env: dict | None, vocab: int):
-        argv = [sys.executable, "-m", "bench.processors_cpu", "--kernel-worker", "--vocab", str(vocab)]
+    def __init__(self, env: dict | None, vocab: int, module: str = "bench.processors_cpu"):
+        argv = [sys.executable, "-m", module, "--kernel-worker", "--vocab", str(vocab)]
         self.process = subprocess.Popen(argv, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.tree = self.process.stdout.readline().strip()

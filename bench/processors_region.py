@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -45,7 +44,8 @@ import numpy as np
 from logitserve.client import messages
 from logitserve.v1 import logitserve_pb2 as pb
 
-from .processors_cpu import CHANNEL_OPTIONS, PENALTIES, ROWS, SAMPLE, SystemRegion, overhead_inputs, timed
+from .processors_cpu import (CHANNEL_OPTIONS, PENALTIES, ROWS, SAMPLE, KernelTimer, SystemRegion, overhead_inputs,
+                             serve_timings, timed)
 from .servers import ServerSpec, echo_argv, running_all, serve_argv
 from .service_ab import checkout_site
 
@@ -81,37 +81,8 @@ def kernel_worker(vocab: int) -> None:
     defaults = dict(top_k=0, top_p=1.0, min_p=0.0, step=0)
     params = {k: torch.full((ROWS,), v, dtype=torch.int64 if isinstance(v, int) else torch.float32)
               for k, v in {**GREEDY, **defaults}.items()}
-    calls = {"plain": lambda: kernels.sample(x, **params, backend="torch"),
-             "processors": lambda: kernels.sample(x, **params, **PENALTIES, **procs, backend="torch")}
-
-    def timed_call(name: str) -> float:
-        t0 = time.perf_counter()
-        calls[name]()
-        return (time.perf_counter() - t0) * 1e3
-
-    print(os.path.dirname(os.path.dirname(os.path.realpath(kernels.__file__))), flush=True)
-    with ThreadPoolExecutor(1) as launch_thread:
-        for line in sys.stdin:
-            print(launch_thread.submit(timed_call, line.strip()).result(), flush=True)
-
-
-class KernelTimer:
-    """:func:`kernel_worker` in a subprocess with ``env`` (whose ``import logitserve`` is a tree's)."""
-
-    def __init__(self, env: dict, vocab: int):
-        argv = [sys.executable, "-m", "bench.processors_region", "--kernel-worker", "--vocab", str(vocab)]
-        self.process = subprocess.Popen(argv, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.tree = self.process.stdout.readline().strip()
-
-    def time(self, name: str) -> float:
-        self.process.stdin.write(name + "\n")
-        self.process.stdin.flush()
-        return float(self.process.stdout.readline())
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait()
+    serve_timings({"plain": lambda: kernels.sample(x, **params, backend="torch"),
+                   "processors": lambda: kernels.sample(x, **params, **PENALTIES, **procs, backend="torch")})
 
 
 def requests(region: SystemRegion, lists: dict[str, np.ndarray], vocab: int) -> dict[str, bytes]:
@@ -179,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = args.server_args or [""] * len(envs)
     if len(flags) != len(envs):
         parser.error(f"--server-args: one string a tree ({len(envs)}), got {len(flags)}")
-    kernels = [KernelTimer(e, args.vocab) for e in envs]
+    kernels = [KernelTimer(e, args.vocab, module="bench.processors_region") for e in envs]
     specs = [ServerSpec(f"cpu {i}", serve_argv("--device", "cpu", "--backend", "torch", "--warmup-dtypes", "float32",
                                                "--warmup-widths", str(args.vocab), *shlex.split(f)), env=e)
              for i, (e, f) in enumerate(zip(server_envs, flags))] + [ServerSpec("echo", echo_argv(), is_echo=True)]
