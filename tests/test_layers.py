@@ -24,7 +24,7 @@ SERVER_LAYERS = (
     ("entry points", ("app", "cli", "flags", "flag_table", "process", "workers", "devices", "testing", "healthcheck", "precompile",
                       "__init__")),
     ("front doors", ("api",)),
-    ("sequences", ("sequences",)),
+    ("sessions", ("sequences", "ordered")),
     ("operators", ("ops",)),
     ("machinery", ("engine",)),
     ("tensors", ("tensors",)),

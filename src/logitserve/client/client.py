@@ -19,6 +19,7 @@ from .construction import CLOSE_TIMEOUT_S, server_gone
 from .devices import DeviceRouting
 from .errors import LogitServeError
 from .operators import OperatorMethods
+from .ordered import OrderedSession
 from .region_table import Registrations
 from .results import StepResult
 from .retrying import after_failure
@@ -121,6 +122,14 @@ class Client(DeviceRouting, OperatorMethods):
             raise self._region_error(LogitServeError.from_rpc_error(exc), named) from None
         finally:
             call.cancel()
+
+    def ordered_session(self, *, wait_timeout_s: float = 0.0, max_steps_ahead: int = 0) -> OrderedSession:
+        """A stream-ordered session (:mod:`.ordered`): Sample calls ordered on the GPU, not on the
+        host. ``wait_timeout_s``: how long a step may wait on the GPU for this client's ready
+        mark before the server ends the session (0: the server's ``--ordered-wait-s``);
+        ``max_steps_ahead``: steps the server holds enqueued for it (0: its default, 8). A
+        context manager; close it to end the session."""
+        return OrderedSession(self, wait_timeout_s, max_steps_ahead)
 
     def close(self) -> None:
         """Unregister the regions registered through this client (best effort: never raises),

@@ -42,6 +42,8 @@ from .precompile import precompile
 from .regions import RegionRegistry
 from .sequences.bounds import SequenceBounds
 from .sequences.table import SequenceTable
+from .ordered import SessionTable
+from .tenancy import per_token_bound
 from .api.servicer import LogitServeServicer, request_parsers
 from .tensors import TORCH_DTYPES
 from .version import __version__
@@ -113,6 +115,10 @@ class Service:
                                        config.sequence_idle_s, device,
                                        # --workers' processes share the port; --devices' have one each
                                        shared_port=config.reuse_port and not config.device_endpoints)
+        # Stream-ordered sessions (server/ordered/): calls ordered on the GPU by marks.
+        self.ordered = SessionTable(self.handle, config.max_ordered_sessions,
+                                    per_token_bound(config.max_ordered_sessions, config.token_share, tokens_on),
+                                    config.ordered_wait_s)
         self.metrics = Metrics(device=str(device))
         self.metrics.plan_cache.set_function(lambda: self.handle.plan_cache_size)
         try:
@@ -240,6 +246,7 @@ class Service:
         log_event(log, "draining", grace_s=grace, queued=self.batcher.queue_depth)
         loop = asyncio.get_running_loop()
         self.draining = True
+        self.ordered.end_all("the server is draining")  # their calls end; their waits are released
         self.batcher.flush()
         # Health says NOT_SERVING (to open Watch streams as well) and keeps answering for the whole
         # grace period: gRPC's own stop would refuse every new RPC, health checks included.

@@ -132,6 +132,12 @@ class ServerConfig:
     channels: bool = True
     max_channels: int = 32
     channel_idle_s: float = 600.0
+    # Stream-ordered sessions (OrderedSession; server/ordered/): most open at once, all callers
+    # together (each holds a 2 MiB marks allocation and a CUDA stream; 0: none), and the most a
+    # step may wait on the GPU for its caller's ready mark before its session ends (a client that
+    # died or stalls then holds nothing of the server's longer).
+    max_ordered_sessions: int = 16
+    ordered_wait_s: float = 5.0
     # With bearer tokens on (--auth-token-file), the share of each server-wide bound a tenant can
     # fill (channels, sequences and their bytes, regions and region bytes, held answers) that one
     # token may hold (server/tenancy.py). Without tokens every caller is one identity (the
@@ -165,7 +171,9 @@ class ServerConfig:
             raise ValueError(f"max_sequences: must be >= 0 (0: no sequences), got {self.max_sequences}")
         if self.max_sequence_bytes < 0:
             raise ValueError(f"max_sequence_bytes: must be >= 0, got {self.max_sequence_bytes}")
-        for name in ("sequence_idle_s", "channel_idle_s"):
+        if self.max_ordered_sessions < 0:
+            raise ValueError(f"max_ordered_sessions: must be >= 0 (0: none), got {self.max_ordered_sessions}")
+        for name in ("sequence_idle_s", "channel_idle_s", "ordered_wait_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name}: must be a finite number > 0, got {getattr(self, name)}")
         if not (math.isfinite(self.token_share) and 0 < self.token_share <= 1):

@@ -129,8 +129,14 @@ FLAGS = (
      "RESOURCE_EXHAUSTED and the client calls over gRPC"),
     ("--channel-idle-s", float, _D.channel_idle_s, "a channel without a call for this long is closed (seconds; its "
      "client opens a new one at its next call)"),
+    ("--max-ordered-sessions", int, _D.max_ordered_sessions, "stream-ordered sessions (OrderedSession) open at "
+     "once, all clients together (each a 2 MiB marks allocation and a CUDA stream; with tokens, one token holds at "
+     "most its --token-share; 0: none); past it OrderedSession is RESOURCE_EXHAUSTED"),
+    ("--ordered-wait-s", float, _D.ordered_wait_s, "the most a stream-ordered step waits on the GPU for its client's "
+     "ready mark (seconds); past it the session ends and its waits are released"),
     ("--token-share", float, _D.token_share, "with --auth-token-file, the share of each server-wide bound "
-     "(channels, sequences and their bytes, regions and their bytes, held answers) one token may hold"),
+     "(channels, sequences and their bytes, regions and their bytes, held answers, ordered sessions) one token may "
+     "hold"),
     ("--grace-period-s", float, _D.grace_period_s, "on SIGTERM, how long in-flight calls get to finish (seconds; "
      "health NOT_SERVING meanwhile); calls still running then end UNAVAILABLE and the process exits within 3 s more"),
     ("--log-level", str.lower, _D.log_level, f"one of {', '.join(LOG_LEVELS)}, any case (debug adds a line per RPC "

@@ -66,7 +66,7 @@ class RegionRef(_message.Message):
     def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("logits", "temperature", "temperature_rows", "top_k", "top_k_rows", "top_p", "top_p_rows", "min_p", "min_p_rows", "seed", "seed_rows", "step", "step_rows", "filter_order", "random_val", "random_val_rows", "output_regions", "prompt_token_ids", "prompt_offsets", "output_token_ids", "output_offsets", "repetition_penalty", "repetition_penalty_rows", "frequency_penalty", "frequency_penalty_rows", "presence_penalty", "presence_penalty_rows", "logit_bias_ids", "logit_bias_values", "logit_bias_offsets", "allowed_token_ids", "allowed_offsets", "banned_token_ids", "banned_offsets", "min_tokens", "min_tokens_rows", "stop_token_ids", "stop_offsets", "grammar_bitmask", "logprobs", "logprobs_mode", "return_kept", "sequence_ids", "sequence_steps")
+    __slots__ = ("logits", "temperature", "temperature_rows", "top_k", "top_k_rows", "top_p", "top_p_rows", "min_p", "min_p_rows", "seed", "seed_rows", "step", "step_rows", "filter_order", "random_val", "random_val_rows", "output_regions", "prompt_token_ids", "prompt_offsets", "output_token_ids", "output_offsets", "repetition_penalty", "repetition_penalty_rows", "frequency_penalty", "frequency_penalty_rows", "presence_penalty", "presence_penalty_rows", "logit_bias_ids", "logit_bias_values", "logit_bias_offsets", "allowed_token_ids", "allowed_offsets", "banned_token_ids", "banned_offsets", "min_tokens", "min_tokens_rows", "stop_token_ids", "stop_offsets", "grammar_bitmask", "logprobs", "logprobs_mode", "return_kept", "sequence_ids", "sequence_steps", "ordered")
     class OutputRegionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class SampleRequest(_message.Message):
     RETURN_KEPT_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ORDERED_FIELD_NUMBER: _ClassVar[int]
     logits: Tensor
     temperature: float
     temperature_rows: Tensor
@@ -162,7 +163,16 @@ class SampleRequest(_message.Message):
     return_kept: bool
     sequence_ids: _containers.RepeatedScalarFieldContainer[int]
     sequence_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_k: _Optional[int] = ..., top_k_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_p: _Optional[float] = ..., top_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., min_p: _Optional[float] = ..., min_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., seed_rows: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ..., step_rows: _Optional[_Union[Tensor, _Mapping]] = ..., filter_order: _Optional[_Union[FilterOrder, str]] = ..., random_val: _Optional[float] = ..., random_val_rows: _Optional[_Union[Tensor, _Mapping]] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., output_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., repetition_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., frequency_penalty: _Optional[float] = ..., frequency_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., presence_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_values: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., banned_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., banned_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., min_tokens: _Optional[int] = ..., min_tokens_rows: _Optional[_Union[Tensor, _Mapping]] = ..., stop_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., stop_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grammar_bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., return_kept: bool = ..., sequence_ids: _Optional[_Iterable[int]] = ..., sequence_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    ordered: OrderedMark
+    def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_k: _Optional[int] = ..., top_k_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_p: _Optional[float] = ..., top_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., min_p: _Optional[float] = ..., min_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., seed_rows: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ..., step_rows: _Optional[_Union[Tensor, _Mapping]] = ..., filter_order: _Optional[_Union[FilterOrder, str]] = ..., random_val: _Optional[float] = ..., random_val_rows: _Optional[_Union[Tensor, _Mapping]] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., output_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., repetition_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., frequency_penalty: _Optional[float] = ..., frequency_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., presence_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_values: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., banned_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., banned_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., min_tokens: _Optional[int] = ..., min_tokens_rows: _Optional[_Union[Tensor, _Mapping]] = ..., stop_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., stop_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grammar_bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., return_kept: bool = ..., sequence_ids: _Optional[_Iterable[int]] = ..., sequence_steps: _Optional[_Iterable[int]] = ..., ordered: _Optional[_Union[OrderedMark, _Mapping]] = ...) -> None: ...
+
+class OrderedMark(_message.Message):
+    __slots__ = ("session_id", "mark")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MARK_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    mark: int
+    def __init__(self, session_id: _Optional[int] = ..., mark: _Optional[int] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("token_ids", "seeds", "valid", "token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")
@@ -624,6 +634,58 @@ class CloseChannelResponse(_message.Message):
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     closed: bool
     def __init__(self, closed: bool = ...) -> None: ...
+
+class OrderedSessionRequest(_message.Message):
+    __slots__ = ("wait_timeout_s", "max_steps_ahead")
+    WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    wait_timeout_s: float
+    max_steps_ahead: int
+    def __init__(self, wait_timeout_s: _Optional[float] = ..., max_steps_ahead: _Optional[int] = ...) -> None: ...
+
+class OrderedSessionOpened(_message.Message):
+    __slots__ = ("session_id", "device_id", "marks_handle", "marks_offset", "wait_timeout_s", "max_steps_ahead")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    MARKS_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    MARKS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    device_id: int
+    marks_handle: bytes
+    marks_offset: int
+    wait_timeout_s: float
+    max_steps_ahead: int
+    def __init__(self, session_id: _Optional[int] = ..., device_id: _Optional[int] = ..., marks_handle: _Optional[bytes] = ..., marks_offset: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., max_steps_ahead: _Optional[int] = ...) -> None: ...
+
+class OrderedStepFailed(_message.Message):
+    __slots__ = ("mark", "code", "message")
+    MARK_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    mark: int
+    code: int
+    message: str
+    def __init__(self, mark: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class OrderedSessionEnded(_message.Message):
+    __slots__ = ("first_broken_mark", "reason")
+    FIRST_BROKEN_MARK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    first_broken_mark: int
+    reason: str
+    def __init__(self, first_broken_mark: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class OrderedSessionEvent(_message.Message):
+    __slots__ = ("opened", "failed", "ended")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    opened: OrderedSessionOpened
+    failed: OrderedStepFailed
+    ended: OrderedSessionEnded
+    def __init__(self, opened: _Optional[_Union[OrderedSessionOpened, _Mapping]] = ..., failed: _Optional[_Union[OrderedStepFailed, _Mapping]] = ..., ended: _Optional[_Union[OrderedSessionEnded, _Mapping]] = ...) -> None: ...
 
 class RegisterSystemSharedMemoryRequest(_message.Message):
     __slots__ = ("name", "key", "offset", "byte_size")

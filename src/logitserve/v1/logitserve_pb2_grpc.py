@@ -111,6 +111,11 @@ class LogitServeStub(object):
                 request_serializer=logitserve_dot_v1_dot_logitserve__pb2.CloseChannelRequest.SerializeToString,
                 response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.CloseChannelResponse.FromString,
                 _registered_method=True)
+        self.OrderedSession = channel.unary_stream(
+                '/logitserve.v1.LogitServe/OrderedSession',
+                request_serializer=logitserve_dot_v1_dot_logitserve__pb2.OrderedSessionRequest.SerializeToString,
+                response_deserializer=logitserve_dot_v1_dot_logitserve__pb2.OrderedSessionEvent.FromString,
+                _registered_method=True)
 
 
 class LogitServeServicer(object):
@@ -236,6 +241,21 @@ class LogitServeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OrderedSession(self, request, context):
+        """Opens a stream-ordered session (docs/SERVICE.md, "Calls ordered on the GPU"): Sample calls
+        naming it (SampleRequest.ordered) wait on the GPU for the caller's "ready" mark, run on the
+        session's own CUDA stream and write "done" on the GPU; they return once enqueued. The first
+        event is `opened` (the marks' CUDA IPC handle); later events report a step that failed after
+        its call returned, and the session's end. The session lives while this call does: cancelling
+        it (or the caller's death) ends it, releases its waits and frees its marks. Adds
+        RESOURCE_EXHAUSTED (past --max-ordered-sessions, or this bearer token's --token-share of it)
+        and FAILED_PRECONDITION (a server without CUDA graphs' device: not a CUDA device, or
+        cuda-python missing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LogitServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -308,6 +328,11 @@ def add_LogitServeServicer_to_server(servicer, server):
                     servicer.CloseChannel,
                     request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.CloseChannelRequest.FromString,
                     response_serializer=logitserve_dot_v1_dot_logitserve__pb2.CloseChannelResponse.SerializeToString,
+            ),
+            'OrderedSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.OrderedSession,
+                    request_deserializer=logitserve_dot_v1_dot_logitserve__pb2.OrderedSessionRequest.FromString,
+                    response_serializer=logitserve_dot_v1_dot_logitserve__pb2.OrderedSessionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -695,6 +720,33 @@ class LogitServe(object):
             '/logitserve.v1.LogitServe/CloseChannel',
             logitserve_dot_v1_dot_logitserve__pb2.CloseChannelRequest.SerializeToString,
             logitserve_dot_v1_dot_logitserve__pb2.CloseChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OrderedSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/logitserve.v1.LogitServe/OrderedSession',
+            logitserve_dot_v1_dot_logitserve__pb2.OrderedSessionRequest.SerializeToString,
+            logitserve_dot_v1_dot_logitserve__pb2.OrderedSessionEvent.FromString,
             options,
             channel_credentials,
             insecure,

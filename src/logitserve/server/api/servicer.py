@@ -23,6 +23,7 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 from .. import ops
 from ..errors import Draining
 from .guard import note_rows
+from .ordered import ordered_sample, session_events
 from ..identity import authorization_of
 from ..ops.sample_processors import TENSOR_FIELDS as PROCESSOR_TENSOR_FIELDS
 from ..regions import CallRegions
@@ -120,8 +121,29 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                 regions.finish()
 
     async def Sample(self, request: Received, context):
-        return await self._run(ops.SampleCall, request, context,
-                               sequences=SequenceLookup(self._service.sequences, context))
+        sequences = SequenceLookup(self._service.sequences, context)
+        if request.message.HasField("ordered"):
+            return await self._ordered_sample(request, context, sequences)
+        return await self._run(ops.SampleCall, request, context, sequences=sequences)
+
+    async def _ordered_sample(self, request: Received, context, sequences) -> pb.SampleResponse:
+        """A Sample ordered on the GPU (server/api/ordered.py): validated as any, then enqueued on
+        its session instead of the batcher."""
+        regions = self._regions(context)
+        try:
+            try:
+                call = ops.SampleCall.from_pb(request.message, self._service.limits, in_place=request.tensor_bytes,
+                                              regions=regions, sequences=sequences)
+            except Exception:
+                note_rows(_claimed_rows(request.message))
+                raise
+            note_rows(call.rows)
+            self._service.held.hold_until_done(context, call.answer_size)
+            return await ordered_sample(self._service, call, request.message.ordered, caller(context),
+                                        context.time_remaining())
+        finally:
+            if regions is not None:
+                regions.finish()
 
     async def RouteExperts(self, request: Received, context):
         return await self._run(ops.RouteExpertsCall, request, context)
@@ -192,6 +214,10 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
 
     async def OpenChannel(self, request, context):
         return self._service.channels.open(authorization_of(context.invocation_metadata() or ()))
+
+    async def OrderedSession(self, request, context):
+        async for event in session_events(self._service.ordered, request, caller(context)):
+            yield event
 
     async def CloseChannel(self, request, context):
         closed = self._service.channels.close(request.key, authorization_of(context.invocation_metadata() or ()))

@@ -221,15 +221,16 @@ class DeviceHandle:
             torch.cuda.set_stream(self.stream)
             _bound.handle = self
 
-    def _run(self, fn: Callable, *args):
+    def _run(self, fn: Callable, *args, synchronize: bool = True):
         if self.stream is None:
             return fn(*args)
         self._bind()
         result = fn(*args)
-        self.stream.synchronize()
+        if synchronize:
+            self.stream.synchronize()
         return result
 
-    async def submit(self, fn: Callable, *args):
+    async def submit(self, fn: Callable, *args, synchronize: bool = True):
         """Run ``fn(*args)`` on the launch thread (and stream), not waiting for other launches.
 
         The thread hands the outcome to the loop once (:meth:`_settle`, one
@@ -240,10 +241,13 @@ class DeviceHandle:
         ``fn`` and the stream, so the work is kept as detached: the next launch waits for it
         (:meth:`_after_detached`) before the device passes to a replay on the event loop, and the
         leases of its calls are released once it is done (:meth:`run_batch`).
+
+        ``synchronize=False``: the thread returns once ``fn`` has enqueued its work, not waiting
+        for the handle's stream (:meth:`enqueue`).
         """
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        job = [loop, done, fn, args]
+        job = [loop, done, fn, args, synchronize]
         work = self._executor.submit(self._run_and_settle, job)
         self._thread_work += 1
         work.add_done_callback(functools.partial(self._never_ran, job))
@@ -270,10 +274,10 @@ class DeviceHandle:
         failure) or ``args`` (the launch's calls), or they would stay in a reference cycle until
         a garbage collection. So ``job`` is a list, emptied here, and this frame lets go of it
         all before it returns."""
-        loop, done, fn, args = job
+        loop, done, fn, args, synchronize = job
         job.clear()
         try:
-            result, failure = self._run(fn, *args), None
+            result, failure = self._run(fn, *args, synchronize=synchronize), None
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it is
             result, failure = None, exc
         loop.call_soon_threadsafe(self._settle, done, result, failure)
@@ -307,11 +311,21 @@ class DeviceHandle:
             await self._after_detached()
             return await self.submit(fn, *args)
 
+    async def enqueue(self, fn: Callable, *args):
+        """Run ``fn(*args)`` alone on the launch thread and return once it has enqueued its work,
+        which it puts on a stream of its own (a stream-ordered session's, server/ordered/): the
+        device is not waited for."""
+        async with self._lock:
+            await self._after_detached()
+            return await self.submit(fn, *args, synchronize=False)
+
     def check(self) -> None:
         """On the launch thread: raise if the device can no longer run anything (a sticky CUDA
-        error, such as an illegal memory access, fails every later call on the context)."""
+        error, such as an illegal memory access, fails every later call on the context). The
+        handle's stream, not the device: a stream-ordered session's stream may be waiting for its
+        caller's mark (server/ordered/), and a device-wide synchronisation would wait with it."""
         if self.stream is not None:
-            torch.cuda.synchronize(self.device)
+            self.stream.synchronize()
 
     async def warm_up(self, dtypes: tuple[torch.dtype, ...], make_cases: Callable,
                       widths: tuple[int, ...] | None = None) -> None:

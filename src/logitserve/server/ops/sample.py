@@ -88,6 +88,8 @@ class SampleCall:
         named = None
         if len(msg.sequence_steps) and not msg.sequence_ids:
             raise ValueError(f"{path}sequence_steps: only with sequence_ids (the steps of the rows' sequences)")
+        if msg.HasField("ordered") and sequences is None:
+            raise ValueError(f"{path}ordered: only the Sample RPC takes an ordered mark (not Step or StreamSteps)")
         if msg.sequence_ids:
             if sequences is None:
                 raise ValueError(f"{path}sequence_ids: only the Sample RPC takes sequence ids (not Step or "
@@ -186,7 +188,7 @@ class SampleCall:
         if calls[0].key is None:  # processors, logprobs or the kept set: a group of one
             results = []
             for c in calls:
-                names = _param_names([c])
+                names = param_names([c])
                 if c.sequences is None:
                     tokens, lp, broken = await handle.run(launch_processed, c, handle, names)
                     if broken is not None and broken.item():  # a field in a CUDA region breaks a rule
@@ -203,7 +205,7 @@ class SampleCall:
             done = await handle.run(_launch_in_place, calls, handle)
             return [SampleResult(tokens.numpy(), c.seeds(), c.outputs, written=True) for tokens, c in done]
         rows = [c.rows for c in calls]
-        names = _param_names(calls)
+        names = param_names(calls)
         filter_order = calls[0].filter_order
 
         def stage_for(batch_rows: int) -> Staging:
@@ -229,7 +231,7 @@ class SampleCall:
         return [SampleResult(t, c.seeds(), c.outputs) for t, c in zip(split_rows(tokens, rows), calls)]
 
 
-def _param_names(calls: list[SampleCall]) -> tuple[str, ...]:
+def param_names(calls: list[SampleCall]) -> tuple[str, ...]:
     """The kernel's per-row parameters, in the order of the packed float and int columns."""
     names = FLOAT_PARAMS if calls[0].random_val is None else FLOAT_PARAMS + (RANDOM_VAL.name,)
     return names + INT_PARAMS
@@ -239,7 +241,7 @@ async def _replay_in_place(call: SampleCall, key, handle) -> "SampleResult":
     """A lone call on logits in the client's device memory (or copied in from a page-locked
     region), from the CUDA graph of ``key`` (server/ops/resident.py): the parameters staged as on
     the byte path, the outputs written into their regions by the graph."""
-    names, rows = _param_names([call]), call.rows
+    names, rows = param_names([call]), call.rows
 
     def launch(float_rows, int_rows):
         # The graph's padding rows of parameters are not read: the logits have the call's rows.
@@ -259,7 +261,7 @@ def _launch_in_place(calls: list[SampleCall], handle) -> list[tuple[torch.Tensor
     the host (read once the stream is done), with the call."""
     logits, floats, ints = device_inputs(handle, [c.logits for c in calls], [c.params[0] for c in calls],
                                          [c.params[1] for c in calls])
-    params = dict(zip(_param_names(calls), (*floats.unbind(1), *ints.unbind(1))))
+    params = dict(zip(param_names(calls), (*floats.unbind(1), *ints.unbind(1))))
     tokens = kernels.sample(logits, **params, filter_order=calls[0].filter_order, backend=handle.backend)
     done = []
     for t, c in zip(split(tokens, [c.rows for c in calls]), calls):

@@ -1,0 +1,212 @@
+"""Calls ordered on the GPU: a stream-ordered session (``client.ordered_session()``).
+
+    session = client.ordered_session()
+    for n in range(steps):
+        forward(tokens)                                       # enqueued on `stream`: writes logits
+        step = session.sample(logits, out={"token_ids": tokens}, stream=stream, seed=seeds, step=n)
+        # returns once the server has enqueued the draw; `stream`'s next work waits for it on the GPU
+    step.result()                                             # the host's values, when it wants them
+    session.close()
+
+Instead of synchronizing its stream before each call, the client writes the step's mark into the
+session's ``ready`` word on ``stream`` (after the logits' producer), sends the call, and has
+``stream`` wait until the server has written ``done`` for that mark (``cuStreamWriteValue64`` /
+``cuStreamWaitValue64``, cuda.bindings). The server's stream waits on the GPU for ``ready``, so
+neither side's host waits for the other's device: the draw runs right after the forward, and the
+next forward right after the draw. The logits and every output must be CUDA regions registered
+through this client (``register_cuda``). docs/SERVICE.md, "Calls ordered on the GPU", gives the
+protocol for engines in other languages.
+
+The session is the OrderedSession call: it lives until :meth:`OrderedSession.close` (or the
+process's end), and the server ends it when a step waits longer than ``wait_timeout_s`` for its
+mark. A step the device could not run as asked is reported by :meth:`OrderedStep.result`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from logitserve.v1 import logitserve_pb2 as pb
+
+from . import messages
+from .errors import LogitServeError
+from .regions import _cuda_bindings
+from .transport import CLIENT_TIMEOUT
+
+PATH = "/logitserve.v1.LogitServe/OrderedSession"
+READY, DONE, ENDED = 0, 1, 2
+# How long result() waits for the session's `ended` event once the marks say it ended.
+ENDED_EVENT_S = 5.0
+
+
+def _check(result, what: str):
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err!r}")
+    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
+
+
+class OrderedSession:
+    """A stream-ordered session of ``client`` (made by ``Client.ordered_session``)."""
+
+    def __init__(self, client, wait_timeout_s: float = 0.0, max_steps_ahead: int = 0):
+        import torch
+
+        self._client = client
+        method = client._channel.unary_stream(PATH, request_serializer=pb.OrderedSessionRequest.SerializeToString,
+                                              response_deserializer=pb.OrderedSessionEvent.FromString)
+        self._call = method(pb.OrderedSessionRequest(wait_timeout_s=wait_timeout_s, max_steps_ahead=max_steps_ahead),
+                            metadata=client._metadata)
+        try:
+            first = next(self._call)
+        except grpc.RpcError as exc:
+            raise LogitServeError.from_rpc_error(exc) from None
+        opened = first.opened
+        self.id, self.device = opened.session_id, torch.device("cuda", opened.device_id)
+        self.wait_timeout_s, self.max_steps_ahead = opened.wait_timeout_s, opened.max_steps_ahead
+        runtime, self._driver = _cuda_bindings()
+        handle = runtime.cudaIpcMemHandle_t()
+        handle.reserved = opened.marks_handle
+        with torch.cuda.device(self.device):
+            self._base = int(_check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess),
+                                    "cudaIpcOpenMemHandle"))
+        self._words = self._base + opened.marks_offset
+        self._next_mark = 1
+        self._streams: dict[int, object] = {}  # every stream that waits on the marks, by handle
+        self._failed: dict[int, pb.OrderedStepFailed] = {}
+        self.ended: pb.OrderedSessionEnded | None = None
+        self._ended = threading.Event()
+        self._reader = threading.Thread(target=self._read_events, name=f"logitserve-ordered-{self.id}", daemon=True)
+        self._reader.start()
+        self._closed = False
+
+    def _read_events(self) -> None:
+        try:
+            for event in self._call:
+                if event.HasField("failed"):
+                    self._failed[event.failed.mark] = event.failed
+                elif event.HasField("ended"):
+                    self.ended = event.ended
+        except grpc.RpcError as exc:
+            if self.ended is None:
+                self.ended = pb.OrderedSessionEnded(reason=f"the OrderedSession call ended: {exc.code().name}")
+        finally:
+            self._ended.set()
+
+    def _stream_op(self, stream, word: int, mark: int, wait: bool) -> None:
+        d = self._driver
+        address, handle = d.CUdeviceptr(self._words + 8 * word), d.CUstream(stream.cuda_stream)
+        if wait:
+            _check(d.cuStreamWaitValue64(handle, address, mark, d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+                   "cuStreamWaitValue64")
+        else:
+            _check(d.cuStreamWriteValue64(handle, address, mark,
+                                          d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+                   "cuStreamWriteValue64")
+
+    def sample(self, logits, *, out, stream=None, timeout=CLIENT_TIMEOUT, **params) -> "OrderedStep":
+        """``Client.sample``'s call ordered on ``stream`` (default: the logits' device's current
+        stream): the logits are read once the work enqueued on ``stream`` before this call is
+        done, and the work enqueued on it after this call runs once the outputs are written.
+        ``out``: ``token_ids`` (required) and optionally ``seeds``, ``valid``, registered CUDA
+        tensors. ``params``: ``Client.sample``'s sampling parameters (scalars, or per-row arrays
+        on the host). Returns an :class:`OrderedStep` once the server has enqueued the work."""
+        import torch
+
+        if self._closed or self.ended is not None:
+            raise LogitServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"ordered session {self.id} ended: {self._ended_reason()}")
+        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        client = self._client
+        enc = client._encoder()
+        msg = messages.build_sample(enc, (), logits, out=out, **params)
+        mark = self._next_mark
+        msg.ordered.session_id, msg.ordered.mark = self.id, mark
+        self._streams[stream.cuda_stream] = stream
+        self._stream_op(stream, READY, mark, wait=False)  # after the logits' producer, on its stream
+        answer = client._call("Sample", enc.serialize(msg), timeout, pb.SampleResponse.FromString, idempotent=False)
+        self._stream_op(stream, DONE, mark, wait=True)  # the stream's next work waits for the outputs
+        self._next_mark = mark + 1
+        done = torch.cuda.Event()
+        done.record(stream)
+        seeds = np.frombuffer(answer.seeds.data, dtype="<i8") if answer.seeds.data else None
+        return OrderedStep(self, mark, done, dict(enc.outputs), seeds)
+
+    def _ended_reason(self) -> str:
+        return self.ended.reason if self.ended is not None else "closed"
+
+    def check(self, mark: int) -> None:
+        """``LogitServeError`` if step ``mark`` did not run as asked (after the device passed it)."""
+        if mark in self._failed:
+            failed = self._failed[mark]
+            raise LogitServeError(grpc.StatusCode(_code(failed.code)), failed.message)
+        if not self._ended_word():
+            return
+        self._ended.wait(ENDED_EVENT_S)
+        broken = self.ended.first_broken_mark if self.ended is not None else 1
+        if broken and mark >= broken:
+            raise LogitServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"ordered session {self.id} ended before mark {mark} ran: {self._ended_reason()}")
+
+    def _ended_word(self) -> bool:
+        """The marks' ``ended`` word, read from the device (after the step's event has passed)."""
+        value = np.zeros(1, dtype=np.int64)
+        _check(self._driver.cuMemcpyDtoH(value.ctypes.data, self._words + 8 * ENDED, 8), "cuMemcpyDtoH")
+        return bool(value[0])
+
+    def close(self) -> None:
+        """End the session: the server releases its waits and frees its marks; then this side's
+        streams are synchronized (their waits have passed) and the marks unmapped."""
+        if self._closed:
+            return
+        self._closed = True
+        self._call.cancel()
+        self._reader.join()
+        for stream in self._streams.values():
+            stream.synchronize()
+        runtime, _ = _cuda_bindings()
+        runtime.cudaIpcCloseMemHandle(self._base)
+
+    def __enter__(self) -> "OrderedSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _code(value: int) -> tuple:
+    return next((c.value for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.UNKNOWN.value)
+
+
+@dataclass
+class OrderedStep:
+    """One enqueued call of a session: its mark, and its values when the host asks."""
+
+    session: OrderedSession
+    mark: int
+    done: object  # a CUDA event on the caller's stream, after its wait for the step's outputs
+    outputs: dict
+    seeds: np.ndarray | None
+
+    def result(self):
+        """Wait for the step on the host; its ``SampleResult`` read from the output regions.
+        ``LogitServeError`` when the session ended before the step ran as asked."""
+        from .results import SampleResult
+
+        self.done.synchronize()
+        self.session.check(self.mark)
+        tokens = _host_array(self._output("token_ids"))
+        valid = tokens >= 0
+        seeds = self.seeds if self.seeds is not None else _host_array(self._output("seeds"))
+        return SampleResult(token_ids=tokens, seeds=seeds, valid=valid)
+
+    def _output(self, name: str):
+        return next(value for path, value in self.outputs.items() if path[-1] == name)
+
+
+def _host_array(tensor) -> np.ndarray:
+    return tensor.detach().cpu().numpy()

@@ -1,0 +1,109 @@
+"""A Sample call ordered on the GPU (SampleRequest.ordered): checked, enqueued on its session's
+stream behind the caller's ready mark, answered at once.
+
+The call is the ordinary ``SampleCall`` (validated by its ``from_pb``, the same rules and
+messages), with what ordering needs on top (:func:`check_orderable`): its logits and outputs in
+CUDA regions on this device, its token ids among the outputs, and nothing the server would have to
+read on the host after the mark (per-row parameters or processor lists in CUDA regions, read
+before the mark would be the caller's previous values) or answer from the device (logprobs, the
+kept set). Its launch (:func:`_enqueue`, on the launch thread) is the in-place call's: the
+parameters staged in one copy, ``kernels.sample`` reading the logits in place, the outputs
+written into their regions; before it a wait for ``ready >= mark``, after it ``done = mark``, all
+on the session's stream, and nothing waits for the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+
+from logitserve import kernels
+from logitserve.v1 import logitserve_pb2 as pb
+
+from ..engine.staging import Staging
+from ..ops.sample import SampleCall, param_names
+from ..tensors import PB_DTYPES, DeviceTensor
+from .session import OrderedSession, PendingStep
+
+
+def check_orderable(call: SampleCall, device: torch.device, path: str = "") -> None:
+    """``ValueError`` naming the field and the rule unless ``call`` can be ordered on the GPU."""
+    field = f"{path}ordered"
+    logits = call.logits
+    if type(logits) is not DeviceTensor or logits.tensor.device != device:
+        raise ValueError(f"{path}logits: an ordered call's logits must be in a CUDA region on the server's device "
+                         f"({device}): the kernels read them once the caller's ready mark says they are written")
+    if call.outputs is None or "token_ids" not in call.outputs:
+        raise ValueError(f"{path}output_regions: an ordered call must name token_ids (a CUDA region): its answer "
+                         f"returns before the tokens are drawn")
+    for name in call.outputs.slots:
+        if call.outputs.direct(name, device) is None:
+            raise ValueError(f"{path}output_regions[{name}]: an ordered call's outputs must be CUDA regions on the "
+                             f"server's device ({device})")
+    refused = [name for name, on in (("sequence_ids", call.sequences is not None),
+                                     ("logprobs", call.logprobs is not None), ("return_kept", call.return_kept),
+                                     ("logits processors", call.processors is not None),
+                                     ("per-row parameters in CUDA regions", call.device_rows is not None)) if on]
+    if refused:
+        raise ValueError(f"{field}: not with {', '.join(refused)} (an ordered call runs only what needs nothing "
+                         f"read or answered by the host after its ready mark)")
+
+
+async def enqueue_sample(table, session: OrderedSession, call: SampleCall, mark: int, path: str = "") -> None:
+    """Enqueue ``call`` as step ``mark`` of ``session`` (of ``table``); returns once the launch
+    thread has enqueued it (the device is not waited for). ``SessionEnded`` / ``ValueError`` as
+    the session's checks say; waits (the caller's deadline applies) while the session holds its
+    ``max_steps_ahead`` unfinished steps.
+
+    Once the launch thread has the step, it is the session's whatever the caller does: a caller
+    cancelled meanwhile leaves, and the step still joins the session's pending ones (its leases
+    released once the device is done with it), as its mark is on the GPU by then."""
+    async with session.busy:
+        session.check_mark(mark, f"{path}ordered.mark")
+        await session.wait_for_room()
+        session.check_mark(mark, f"{path}ordered.mark")
+        await asyncio.shield(asyncio.ensure_future(_enqueue_step(table, session, call, mark)))
+
+
+async def _enqueue_step(table, session: OrderedSession, call: SampleCall, mark: int) -> None:
+    call.regions.hold()  # released by the session once the step's event has passed
+    try:
+        done = await table.handle.enqueue(_enqueue, call, session.gpu, mark, table.handle)
+    except BaseException:
+        call.regions.release()
+        raise
+    session.add(PendingStep(mark, done, call.regions))
+    table.watch()
+
+
+def _enqueue(call: SampleCall, gpu, mark: int, handle) -> torch.cuda.Event:
+    """On the launch thread: the step's work on the session's stream; its completion event."""
+    with torch.cuda.stream(gpu.stream):
+        gpu.wait_ready(mark)
+        stage = Staging()
+        for column in call.params:
+            stage.add([column])
+        floats, ints = stage.to(handle.device)
+        params = dict(zip(param_names([call]), (*floats.unbind(1), *ints.unbind(1))))
+        tokens = kernels.sample(call.logits.torch(), **params, filter_order=call.filter_order, backend=handle.backend)
+        call.put_outputs(tokens, params["seed"])
+        gpu.write_done(mark)
+        done = torch.cuda.Event()
+        done.record(gpu.stream)
+    return done
+
+
+def ordered_answer(call: SampleCall) -> pb.SampleResponse:
+    """The answer of an enqueued call: each output named by its region, seeds as bytes when not
+    named (the server knows them now), valid left out when not named (it is not known yet)."""
+    response = pb.SampleResponse()
+    for name in ("token_ids", "seeds", "valid"):
+        if name in call.outputs:
+            getattr(response, name).CopyFrom(call.outputs.message(name))
+    if "seeds" not in call.outputs:
+        seeds = call.seeds()
+        response.seeds.CopyFrom(pb.Tensor(dtype=PB_DTYPES[torch.int64], shape=[len(seeds)],
+                                          data=np.asarray(seeds, dtype="<i8").tobytes()))
+    return response

@@ -1,0 +1,143 @@
+"""One stream-ordered session: its marks and stream on the GPU, the steps it has enqueued and
+not yet finished, and how it ends.
+
+A step is enqueued on the session's stream behind a wait for its ready mark; the call answers
+at once. The session then keeps, per step, a CUDA event recorded after its work and the leases of
+the regions it reads and writes (they stay mapped until the event has passed, whatever the
+caller does meanwhile). :meth:`OrderedSession.poll` (the table's watcher, on the event loop)
+retires finished steps, releasing their leases, and ends the session when the oldest step has
+waited past the session's ``wait_timeout_s`` for its mark, or when the device reports a fault.
+
+Ending (:meth:`OrderedSession.end`) is the same whatever ends it (the caller's call ended, a
+timeout, a fault, the server's drain): later calls are refused, the waits are released from the
+host (server/ordered/marks.py: ``ready`` and ``done`` set to RELEASED, so the steps enqueued run
+on the logits as they are, and the caller's stream goes on), the session's event stream says why,
+and once the stream has drained the leases go and (when the call has ended) the marks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass
+
+import torch
+
+from logitserve.v1 import logitserve_pb2 as pb
+
+from ..errors import Unsupported
+
+
+@dataclass(eq=False, slots=True)
+class PendingStep:
+    mark: int
+    done: torch.cuda.Event  # recorded on the session's stream after the step's work
+    regions: object  # the call's CallRegions, holding a launch hold (released once done)
+
+
+class SessionEnded(Unsupported):
+    """No such session of the caller, or it ended (FAILED_PRECONDITION); the reason is the message."""
+
+
+class OrderedSession:
+    """A caller's stream-ordered session (server/ordered/table.py owns the table of them)."""
+
+    def __init__(self, session_id: int, owner, gpu, wait_timeout_s: float, max_steps_ahead: int):
+        self.id = session_id
+        self.owner = owner
+        self.gpu = gpu  # marks.SessionGpu
+        self.wait_timeout_s = wait_timeout_s
+        self.max_steps_ahead = max_steps_ahead
+        self.next_mark = 1
+        self.pending: collections.deque[PendingStep] = collections.deque()
+        # When the oldest pending step's wait started to count: its call, or the step before it
+        # finishing, whichever came later (steps enqueued ahead wait for their turn, not a mark).
+        self.head_since = 0.0
+        self.ended: str | None = None
+        self.first_broken_mark = 0
+        # The session's events for its OrderedSession call (the first, `opened`, is sent there).
+        self.events: asyncio.Queue[pb.OrderedSessionEvent] = asyncio.Queue()
+        self.room = asyncio.Event()  # set while a step may be enqueued (fewer than max_steps_ahead)
+        self.room.set()
+        self.busy = asyncio.Lock()  # one call's enqueue at a time: marks go in order
+        self.drained = asyncio.Event()  # set once the session ended and its stream has finished
+
+    def opened_event(self) -> pb.OrderedSessionEvent:
+        return pb.OrderedSessionEvent(opened=pb.OrderedSessionOpened(
+            session_id=self.id, device_id=self.gpu.device.index, marks_handle=self.gpu.ipc_handle, marks_offset=0,
+            wait_timeout_s=self.wait_timeout_s, max_steps_ahead=self.max_steps_ahead))
+
+    def check_mark(self, mark: int, field: str) -> None:
+        """``SessionEnded`` if the session ended; ``ValueError`` naming ``field`` unless ``mark``
+        is the session's next."""
+        if self.ended is not None:
+            raise SessionEnded(f"ordered session {self.id} ended: {self.ended}")
+        if mark != self.next_mark:
+            raise ValueError(f"{field}: {mark}, but session {self.id}'s next mark is {self.next_mark} (each call's "
+                             f"mark is the previous call's + 1, the first 1)")
+
+    async def wait_for_room(self) -> None:
+        while len(self.pending) >= self.max_steps_ahead:
+            self.room.clear()
+            await self.room.wait()
+            if self.ended is not None:
+                raise SessionEnded(f"ordered session {self.id} ended: {self.ended}")
+
+    def add(self, step: PendingStep) -> None:
+        if not self.pending:
+            self.head_since = time.monotonic()
+        self.pending.append(step)
+        self.next_mark = step.mark + 1
+        if len(self.pending) >= self.max_steps_ahead:
+            self.room.clear()
+
+    def poll(self, now: float) -> str | None:
+        """Retire the finished steps (their leases released); the reason to end the session, if
+        it must end: the oldest step waited too long, or the device failed."""
+        while self.pending:
+            head = self.pending[0]
+            try:
+                finished = head.done.query()
+            except RuntimeError as exc:  # a sticky device error, reported by any query
+                self.first_broken_mark = self.first_broken_mark or head.mark
+                self.events.put_nowait(pb.OrderedSessionEvent(failed=pb.OrderedStepFailed(
+                    mark=head.mark, code=13, message=f"device fault: {exc}")))
+                return f"device fault at mark {head.mark}: {exc}"
+            if not finished:
+                break
+            self.pending.popleft()
+            head.regions.release()
+            self.head_since = now
+            self.room.set()
+        if self.pending and self.ended is None and now - self.head_since > self.wait_timeout_s:
+            mark = self.pending[0].mark
+            self.first_broken_mark = mark
+            return (f"mark {mark} waited {now - self.head_since:.3f} s on the GPU for its ready mark, past "
+                    f"wait_timeout_s {self.wait_timeout_s:g}")
+        return None
+
+    def end(self, reason: str) -> None:
+        """Refuse later calls, release the GPU waits, tell the caller (once; the first reason)."""
+        if self.ended is not None:
+            return
+        self.ended = reason
+        self.gpu.release()
+        self.room.set()
+        self.events.put_nowait(pb.OrderedSessionEvent(ended=pb.OrderedSessionEnded(
+            first_broken_mark=self.first_broken_mark, reason=reason)))
+
+    def retire_all(self) -> bool:
+        """After :meth:`end`: retire the steps the released stream has finished; whether none is
+        left (the stream has drained)."""
+        while self.pending:
+            head = self.pending[0]
+            try:
+                if not head.done.query():
+                    return False
+            except RuntimeError:
+                pass  # a faulted context: the work will not run; its leases go
+            self.pending.popleft()
+            head.regions.release()
+        self.drained.set()
+        return True
