@@ -1,0 +1,155 @@
+"""Calls ordered on the GPU (issue 44), on a GPU: a `logitserve serve` process on cuda:0 and this
+test process as the engine, sharing the logits, the tokens and the session's marks over CUDA IPC.
+
+The engine never synchronizes between steps: each step's "forward" is slow on purpose (a kernel
+that spins for ~10 ms, then the logits' writes), and the tokens drawn from it are copied into a
+history on the engine's stream right after the ordered call. A server that read the logits
+before the mark, or a stream that went on before the outputs were written, would put another
+step's tokens in the history."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from logitserve import kernels
+from logitserve.client import Client, LogitServeError
+from logitserve.server.process import ServerProcess
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = "cuda:0"
+SLOW_FORWARD_CYCLES = 20_000_000  # ~10 ms of torch.cuda._sleep on an H100
+
+
+@pytest.fixture(scope="module")
+def server():
+    pytest.importorskip("cuda.bindings")
+    with ServerProcess("--warmup-dtypes", "none", "--ordered-wait-s", "3", device=DEVICE, backend="triton",
+                       start_timeout=900) as s:
+        yield s
+
+
+def _engine_buffers(client: Client, rows: int, vocab: int):
+    logits = torch.zeros(rows, vocab, device=DEVICE)
+    tokens = torch.full((rows,), -7, dtype=torch.int64, device=DEVICE)  # poisoned
+    client.register_cuda("logits", logits)
+    client.register_cuda("tokens", tokens)
+    return logits, tokens
+
+
+def test_greedy_steps_read_each_forwards_logits_after_a_slow_forward(server):
+    rows, vocab, steps = 4, 4096, 16
+    expected = torch.randint(0, vocab, (steps, rows), generator=torch.Generator().manual_seed(1))
+    with Client(server.target, timeout=300) as client:
+        logits, tokens = _engine_buffers(client, rows, vocab)
+        history = torch.full((steps, rows), -9, dtype=torch.int64, device=DEVICE)
+        stream = torch.cuda.Stream()
+        with client.ordered_session() as session, torch.cuda.stream(stream):
+            for n in range(steps):
+                torch.cuda._sleep(SLOW_FORWARD_CYCLES)
+                logits.zero_()
+                logits.scatter_(1, expected[n].view(rows, 1).to(DEVICE), 10.0)
+                step = session.sample(logits, out={"token_ids": tokens}, stream=stream, temperature=0.0)
+                history[n].copy_(tokens)
+            assert step.mark == steps
+            last = step.result()
+        assert torch.equal(history.cpu(), expected)
+        assert last.token_ids.tolist() == expected[-1].tolist() and last.valid.all()
+
+
+def test_seeded_steps_draw_what_sample_draws_in_process(server):
+    rows, vocab, steps = 8, 32000, 12
+    seeds = torch.arange(rows, dtype=torch.int64) + 1234
+    with Client(server.target, timeout=300) as client:
+        logits, tokens = _engine_buffers(client, rows, vocab)
+        logits_seen = torch.empty(steps, rows, vocab, device=DEVICE)
+        history = torch.full((steps, rows), -9, dtype=torch.int64, device=DEVICE)
+        stream = torch.cuda.Stream()
+        generator = torch.Generator(device=DEVICE).manual_seed(7)
+        with client.ordered_session() as session, torch.cuda.stream(stream):
+            for n in range(steps):
+                torch.cuda._sleep(SLOW_FORWARD_CYCLES // 4)
+                torch.randn(rows, vocab, generator=generator, out=logits, device=DEVICE)
+                logits_seen[n].copy_(logits)
+                step = session.sample(logits, out={"token_ids": tokens}, stream=stream, temperature=0.8, top_k=50,
+                                      top_p=0.9, seed=seeds.numpy(), step=n)
+                history[n].copy_(tokens)
+            step.result()
+        expected = torch.stack([kernels.sample(logits_seen[n], temperature=0.8, top_k=50, top_p=0.9,
+                                               seed=seeds.to(DEVICE), step=n) for n in range(steps)])
+        assert torch.equal(history, expected)
+
+
+def test_a_mark_that_never_comes_ends_the_session_and_other_calls_go_on(server):
+    rows, vocab = 2, 4096
+    with Client(server.target, timeout=300) as client, Client(server.target, timeout=300) as other:
+        logits, tokens = _engine_buffers(client, rows, vocab)
+        stream = torch.cuda.Stream()
+        session = client.ordered_session(wait_timeout_s=0.5)
+        assert session.wait_timeout_s == 0.5
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLOW_FORWARD_CYCLES * 300)  # ~3 s before the ready mark: past the limit
+            step = session.sample(logits, out={"token_ids": tokens}, stream=stream, temperature=0.0)
+        start = time.monotonic()
+        answer = other.sample(torch.randn(rows, vocab).numpy(), temperature=0.0)  # not held up by the wait
+        print(f"another client's call during the stalled step: {time.monotonic() - start:.3f} s")
+        assert answer.valid.all()
+        with pytest.raises(LogitServeError) as caught:
+            step.result()
+        assert caught.value.code.name == "FAILED_PRECONDITION" and "wait_timeout_s" in caught.value.details
+        assert session.ended.first_broken_mark == 1
+        with pytest.raises(LogitServeError, match="ended"):
+            session.sample(logits, out={"token_ids": tokens}, stream=stream)
+        session.close()
+
+
+ENGINE = textwrap.dedent("""
+    import sys, torch
+    from logitserve.client import Client
+    client = Client(sys.argv[1], timeout=300)
+    logits = torch.zeros(2, 4096, device="cuda:0"); tokens = torch.zeros(2, dtype=torch.int64, device="cuda:0")
+    client.register_cuda("logits", logits); client.register_cuda("tokens", tokens)
+    session = client.ordered_session()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # the mark comes long after this process is killed
+        session.sample(logits, out={"token_ids": tokens}, stream=stream, temperature=0.0)
+    print("enqueued", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_killed_engine_frees_its_session_at_once():
+    pytest.importorskip("cuda.bindings")
+    with ServerProcess("--warmup-dtypes", "none", "--max-ordered-sessions", "1", "--ordered-wait-s", "60",
+                       device=DEVICE, backend="triton", start_timeout=900) as server:
+        engine = subprocess.Popen([sys.executable, "-c", ENGINE, server.target], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+        try:
+            assert engine.stdout.readline().strip() == "enqueued"
+            with Client(server.target, timeout=300) as client:
+                with pytest.raises(LogitServeError, match="RESOURCE_EXHAUSTED|--max-ordered-sessions"):
+                    client.ordered_session()  # the engine's session holds the only place
+                engine.send_signal(signal.SIGKILL)
+                engine.wait(30)
+                killed = time.monotonic()
+                while True:  # its session ends when its call does, not after --ordered-wait-s (60 s)
+                    try:
+                        session = client.ordered_session()
+                        break
+                    except LogitServeError:
+                        assert time.monotonic() - killed < 10, "the dead engine's session was not freed"
+                        time.sleep(0.05)
+                print(f"a killed engine's session freed after {time.monotonic() - killed:.3f} s")
+                session.close()
+        finally:
+            engine.kill()
+            engine.wait(30)
