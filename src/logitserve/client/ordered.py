@@ -37,7 +37,7 @@ from .errors import LogitServeError
 from .regions import _cuda_bindings
 from .transport import CLIENT_TIMEOUT
 
-PATH = "/logitserve.v1.LogitServe/OrderedSession"
+PATH = "/logitserve.v1.LogitServe/OrderedSession"  # not in transport.METHOD_PATHS: see there
 READY, DONE, ENDED = 0, 1, 2
 # How long result() waits for the session's `ended` event once the marks say it ended.
 ENDED_EVENT_S = 5.0
@@ -159,17 +159,19 @@ class OrderedSession:
         return bool(value[0])
 
     def close(self) -> None:
-        """End the session: the server releases its waits and frees its marks; then this side's
-        streams are synchronized (their waits have passed) and the marks unmapped."""
+        """End the session. This side's streams are synchronized first (every step was given its
+        ready mark, so the server finishes them, or its wait limit releases them), then the marks
+        are unmapped, then the call is cancelled: the server frees the marks only after that, so
+        no wait of this process reads them freed."""
         if self._closed:
             return
         self._closed = True
-        self._call.cancel()
-        self._reader.join()
         for stream in self._streams.values():
             stream.synchronize()
         runtime, _ = _cuda_bindings()
         runtime.cudaIpcCloseMemHandle(self._base)
+        self._call.cancel()
+        self._reader.join()
 
     def __enter__(self) -> "OrderedSession":
         return self

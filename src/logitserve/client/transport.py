@@ -71,10 +71,14 @@ def parse_as(response_type, convert, after=None):
 
 
 def method_paths() -> dict[str, tuple[str, bool]]:
-    """Every RPC's full method path and whether it streams requests (both services)."""
+    """Every RPC's full method path and whether it streams requests (both services); not
+    OrderedSession, a stream of answers only, whose call client/ordered.py makes itself (and
+    which is never retried: a second attempt would open a second session)."""
     paths = {}
     for service in (pb.DESCRIPTOR.services_by_name["LogitServe"], pb.DESCRIPTOR.services_by_name["SharedMemory"]):
         for method in service.methods:
+            if method.server_streaming and not method.client_streaming:
+                continue
             paths[method.name] = (f"/{service.full_name}/{method.name}", method.client_streaming)
     return paths
 
