@@ -88,6 +88,52 @@ def test_seeded_steps_draw_what_sample_draws_in_process(server):
         assert torch.equal(history, expected)
 
 
+def test_penalties_and_a_grammar_mask_in_cuda_regions_are_ordered_too(server):
+    """The engine keeps its output lists on the GPU and appends each step's tokens there, after
+    the ordered call, on its stream: the next step's penalties read them after the append."""
+    rows, vocab, steps = 4, 2048, 10
+    seeds = torch.arange(rows, dtype=torch.int64) + 99
+    with Client(server.target, timeout=300) as client:
+        logits, tokens = _engine_buffers(client, rows, vocab)
+        outputs = torch.zeros(rows, steps, dtype=torch.int64, device=DEVICE)  # row r's output: outputs[r, :n]
+        offsets = torch.arange(0, rows * steps + 1, steps, dtype=torch.int64, device=DEVICE)
+        mask = torch.full((rows, vocab // 32), -1, dtype=torch.int32, device=DEVICE)
+        mask[:, : vocab // 64] = 0  # the first half of the vocabulary banned by the grammar
+        for name, t in (("outputs", outputs), ("offsets", offsets), ("mask", mask)):
+            client.register_cuda(name, t)
+        logits_seen = torch.empty(steps, rows, vocab, device=DEVICE)
+        lists_seen = torch.empty(steps, rows, steps, dtype=torch.int64, device=DEVICE)
+        history = torch.full((steps, rows), -9, dtype=torch.int64, device=DEVICE)
+        stream = torch.cuda.Stream()
+        generator = torch.Generator(device=DEVICE).manual_seed(3)
+        with client.ordered_session() as session, torch.cuda.stream(stream):
+            for n in range(steps):
+                torch.randn(rows, vocab, generator=generator, out=logits, device=DEVICE)
+                logits_seen[n].copy_(logits)
+                lists_seen[n].copy_(outputs)
+                step = session.sample(logits, out={"token_ids": tokens}, stream=stream, temperature=0.7, seed=seeds.numpy(),
+                                      step=n, repetition_penalty=1.5, presence_penalty=0.5,
+                                      output_token_ids=outputs.view(-1), output_offsets=offsets, grammar_bitmask=mask)
+                history[n].copy_(tokens)
+                outputs[:, n].copy_(tokens)
+            step.result()
+        expected = torch.stack([kernels.sample(logits_seen[n], temperature=0.7, seed=seeds.to(DEVICE), step=n,
+                                               repetition_penalty=1.5, presence_penalty=0.5,
+                                               output_token_ids=lists_seen[n].view(-1), output_offsets=offsets,
+                                               grammar_bitmask=mask) for n in range(steps)])
+        assert torch.equal(history, expected)
+        assert (history >= vocab // 2).all()  # the grammar's half only
+
+
+def test_processor_fields_as_bytes_are_refused_for_ordered_calls(server):
+    with Client(server.target, timeout=300) as client:
+        logits, tokens = _engine_buffers(client, 2, 256)
+        with client.ordered_session() as session:
+            with pytest.raises(LogitServeError, match="must be CUDA regions"):
+                session.sample(logits, out={"token_ids": tokens}, output_token_ids=[1, 2], output_offsets=[0, 1, 2],
+                               repetition_penalty=1.2)
+
+
 def test_a_mark_that_never_comes_ends_the_session_and_other_calls_go_on(server):
     rows, vocab = 2, 4096
     with Client(server.target, timeout=300) as client, Client(server.target, timeout=300) as other:

@@ -249,7 +249,9 @@ class Outputs:
         if lease.kind == CUDA:
             target = lease.tensor()
             if target.device != value.device or target.data_ptr() != value.data_ptr():
-                target.copy_(value.reshape(target.shape))
+                # Not waiting for the stream (a page-locked or device value): an ordered call's
+                # stream may be waiting for its caller's mark (server/ordered/).
+                target.copy_(value.reshape(target.shape), non_blocking=True)
         elif lease.pinned and value.device.type == "cuda":
             copy_by_kernel(value.reshape(lease.shape).contiguous(), lease.tensor())
         else:

@@ -159,6 +159,8 @@ class SampleCall:
             return
         if seeds is None:
             seeds = torch.tensor(self.seeds(), dtype=torch.int64)
+            if tokens.is_cuda:  # page-locked, so the copy into a CUDA region waits for nothing
+                seeds = seeds.pin_memory()
         for name, value in (("token_ids", tokens), ("valid", tokens >= 0), ("seeds", seeds)):
             if name in self.outputs:
                 self.outputs.put(name, value)

@@ -4,9 +4,13 @@ stream behind the caller's ready mark, answered at once.
 The call is the ordinary ``SampleCall`` (validated by its ``from_pb``, the same rules and
 messages), with what ordering needs on top (:func:`check_orderable`): its logits and outputs in
 CUDA regions on this device, its token ids among the outputs, and nothing the server would have to
-read on the host after the mark (per-row parameters or processor lists in CUDA regions, read
-before the mark would be the caller's previous values) or answer from the device (logprobs, the
-kept set). Its launch (:func:`_enqueue`, on the launch thread) is the in-place call's: the
+read on the host after the mark (per-row sampling parameters in CUDA regions, which the server
+reads on the host: before the mark they would be the caller's previous values) or answer from
+the device (logprobs, the kept set). Logits processors are taken with every tensor field in a CUDA
+region (a copy of host bytes to the device would wait for the session's stream, and with it for
+the caller's mark, holding the launch thread every caller shares): their checks run inside the
+launch, their flag is read once the step is done, and a broken rule is reported as the step's
+``failed`` event (INVALID_ARGUMENT; the session goes on). Its launch (:func:`_enqueue`, on the launch thread) is the in-place call's: the
 parameters staged in one copy, ``kernels.sample`` reading the logits in place, the outputs
 written into their regions; before it a wait for ``ready >= mark``, after it ``done = mark``, all
 on the session's stream, and nothing waits for the device.
@@ -15,6 +19,7 @@ on the session's stream, and nothing waits for the device.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import numpy as np
 import torch
@@ -24,7 +29,8 @@ from logitserve.v1 import logitserve_pb2 as pb
 
 from ..engine.staging import Staging
 from ..ops.sample import SampleCall, param_names
-from ..tensors import PB_DTYPES, DeviceTensor
+from ..ops.sample_processors import launch_processed
+from ..tensors import PB_DTYPES, DeviceTensor, HostTensor
 from .session import OrderedSession, PendingStep
 
 
@@ -44,8 +50,12 @@ def check_orderable(call: SampleCall, device: torch.device, path: str = "") -> N
                              f"server's device ({device})")
     refused = [name for name, on in (("sequence_ids", call.sequences is not None),
                                      ("logprobs", call.logprobs is not None), ("return_kept", call.return_kept),
-                                     ("logits processors", call.processors is not None),
                                      ("per-row parameters in CUDA regions", call.device_rows is not None)) if on]
+    host_fields = [name for name, value in (call.processors or {}).items() if isinstance(value, HostTensor)]
+    if host_fields:
+        raise ValueError(f"{path}{host_fields[0]}: an ordered call's logits processor fields must be CUDA regions "
+                         f"(or scalars): the launch thread cannot copy host bytes to the device without waiting for "
+                         f"the session's stream, which waits for the caller's mark")
     if refused:
         raise ValueError(f"{field}: not with {', '.join(refused)} (an ordered call runs only what needs nothing "
                          f"read or answered by the host after its ready mark)")
@@ -60,6 +70,7 @@ async def enqueue_sample(table, session: OrderedSession, call: SampleCall, mark:
     Once the launch thread has the step, it is the session's whatever the caller does: a caller
     cancelled meanwhile leaves, and the step still joins the session's pending ones (its leases
     released once the device is done with it), as its mark is on the GPU by then."""
+    await call.checked()  # processor fields as bytes or in system regions, off the loop (as the batcher does)
     async with session.busy:
         session.check_mark(mark, f"{path}ordered.mark")
         await session.wait_for_room()
@@ -70,29 +81,45 @@ async def enqueue_sample(table, session: OrderedSession, call: SampleCall, mark:
 async def _enqueue_step(table, session: OrderedSession, call: SampleCall, mark: int) -> None:
     call.regions.hold()  # released by the session once the step's event has passed
     try:
-        done = await table.handle.enqueue(_enqueue, call, session.gpu, mark, table.handle)
+        done, broken = await table.handle.enqueue(_enqueue, call, session.gpu, mark, table.handle)
     except BaseException:
         call.regions.release()
         raise
-    session.add(PendingStep(mark, done, call.regions))
+    broken_rule = None if broken is None else functools.partial(_broken_rule, table.handle, call, broken)
+    session.add(PendingStep(mark, done, call.regions, broken_rule))
     table.watch()
 
 
-def _enqueue(call: SampleCall, gpu, mark: int, handle) -> torch.cuda.Event:
-    """On the launch thread: the step's work on the session's stream; its completion event."""
+async def _broken_rule(handle, call: SampleCall, broken: torch.Tensor) -> str | None:
+    """Once the step is done: the message of a processor field in a CUDA region that broke its
+    rule (read from the fields as they are now: the engine may have changed them since), or None."""
+    if not broken.item():
+        return None
+    found = await handle.run(call.device_checks.error)
+    return found or "a logits processor field in a CUDA region broke its rule (its values have changed since)"
+
+
+def _enqueue(call: SampleCall, gpu, mark: int, handle) -> tuple[torch.cuda.Event, torch.Tensor | None]:
+    """On the launch thread: the step's work on the session's stream; its completion event, and
+    with processor fields in CUDA regions the host flag of their checks (valid once it passed)."""
+    broken = None
     with torch.cuda.stream(gpu.stream):
         gpu.wait_ready(mark)
-        stage = Staging()
-        for column in call.params:
-            stage.add([column])
-        floats, ints = stage.to(handle.device)
-        params = dict(zip(param_names([call]), (*floats.unbind(1), *ints.unbind(1))))
-        tokens = kernels.sample(call.logits.torch(), **params, filter_order=call.filter_order, backend=handle.backend)
-        call.put_outputs(tokens, params["seed"])
+        if call.processors is not None:  # the processors' launch, as a lone call's (its checks queued first)
+            _, _, broken = launch_processed(call, handle, param_names([call]))
+        else:
+            stage = Staging()
+            for column in call.params:
+                stage.add([column])
+            floats, ints = stage.to(handle.device)
+            params = dict(zip(param_names([call]), (*floats.unbind(1), *ints.unbind(1))))
+            tokens = kernels.sample(call.logits.torch(), **params, filter_order=call.filter_order,
+                                    backend=handle.backend)
+            call.put_outputs(tokens, params["seed"])
         gpu.write_done(mark)
         done = torch.cuda.Event()
         done.record(gpu.stream)
-    return done
+    return done, broken
 
 
 def ordered_answer(call: SampleCall) -> pb.SampleResponse:

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 import torch
 
@@ -34,6 +35,9 @@ class PendingStep:
     mark: int
     done: torch.cuda.Event  # recorded on the session's stream after the step's work
     regions: object  # the call's CallRegions, holding a launch hold (released once done)
+    # With processor fields in CUDA regions: a coroutine function giving the message of the rule
+    # one broke (None: none), to ask once the step is done.
+    broken_rule: Callable[[], Awaitable[str | None]] | None = None
 
 
 class SessionEnded(Unsupported):
@@ -107,7 +111,10 @@ class OrderedSession:
             if not finished:
                 break
             self.pending.popleft()
-            head.regions.release()
+            if head.broken_rule is not None:
+                asyncio.ensure_future(self._report_broken_rule(head))  # releases the leases after
+            else:
+                head.regions.release()
             self.head_since = now
             self.room.set()
         if self.pending and self.ended is None and now - self.head_since > self.wait_timeout_s:
@@ -116,6 +123,19 @@ class OrderedSession:
             return (f"mark {mark} waited {now - self.head_since:.3f} s on the GPU for its ready mark, past "
                     f"wait_timeout_s {self.wait_timeout_s:g}")
         return None
+
+    async def _report_broken_rule(self, step: PendingStep) -> None:
+        """A done step's processor fields checked on the device: a broken rule becomes its
+        ``failed`` event (INVALID_ARGUMENT); the session goes on."""
+        try:
+            message = await step.broken_rule()
+        except Exception as exc:  # noqa: BLE001 - the report is best effort; the step is done
+            message = f"its processor fields' checks could not be read: {exc!r}"
+        finally:
+            step.regions.release()
+        if message is not None:
+            self.events.put_nowait(pb.OrderedSessionEvent(failed=pb.OrderedStepFailed(mark=step.mark, code=3,
+                                                                                     message=message)))
 
     def end(self, reason: str) -> None:
         """Refuse later calls, release the GPU waits, tell the caller (once; the first reason)."""
