@@ -7,8 +7,9 @@ the mark of the step whose logits are complete, on its stream), ``done`` (writte
 session's stream, after each step's outputs), ``ended`` (set when the session ends). Each session
 has an allocation of its own, so a caller mapping its handle can reach no other session's marks
 (one allocation for all would let any caller release another's waits, and its kernels would read
-logits not yet written). The allocation is freed only when the session's call ends: its caller
-has then unmapped it, or died.
+logits not yet written). The allocation is freed only after the session's call ended (its caller
+has then unmapped it, or died), and only while no session waits (``cudaFree`` synchronizes the
+device).
 
 The waits and writes are ``cuStreamWaitValue64`` / ``cuStreamWriteValue64`` through
 ``cuda.bindings.driver`` (the ``_v2`` entry points; a raw ``dlsym`` of the old names answers
@@ -86,7 +87,7 @@ class StreamPool:
         driver, _ = _bindings()
         with torch.cuda.device(self.device):
             torch.cuda.init()
-            stream = _check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+            stream = _check(driver.cuStreamCreate(int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
         return torch.cuda.ExternalStream(int(stream), device=self.device)
 
     def give_back(self, stream: torch.cuda.ExternalStream) -> None:
@@ -140,16 +141,20 @@ class SessionGpu:
         """Let every wait on the marks pass and mark the session ended, from the side stream
         (the session's may be blocked); returns once written."""
         with torch.cuda.device(self.device), torch.cuda.stream(self._side):
-            self.words[READY:DONE + 1].fill_(RELEASED)
+            # `ended` first: a caller whose wait passes on the release then finds it set.
             self.words[ENDED].fill_(1)
+            self.words[READY:DONE + 1].fill_(RELEASED)
         self._side.synchronize()
 
-    def close(self) -> None:
-        """Free the marks and give the streams back; the session's stream must be idle (its
-        work done) and the caller's mapping gone (its call ended)."""
-        _, runtime = _bindings()
-        self.stream.synchronize()
+    def give_back_streams(self) -> None:
+        """The session's stream, whose work is done, and the side stream back to the pool."""
         self._streams.give_back(self.stream)
         self._streams.give_back(self._side)
+
+    def free(self) -> None:
+        """Free the marks (the caller's mapping is gone: its call ended). ``cudaFree`` waits for
+        the whole device, so the table calls this only while no session has a step pending
+        (server/ordered/table.py): a wait for a mark would hold it up."""
+        _, runtime = _bindings()
         with torch.cuda.device(self.device):
             runtime.cudaFree(self._ptr)

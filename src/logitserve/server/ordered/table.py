@@ -43,6 +43,7 @@ class SessionTable:
         self._streams = StreamPool(handle.device) if handle.device.type == "cuda" else None
         self._watcher: asyncio.Task | None = None
         self._ending: set[OrderedSession] = set()  # ended, their streams not yet drained
+        self._unfreed: list = []  # closed sessions' marks (marks.SessionGpu), freed while none waits
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -105,7 +106,10 @@ class SessionTable:
                 if session.retire_all():
                     self._ending.discard(session)
             if not self._ending and not any(s is not None and s.pending for s in self._sessions.values()):
-                return
+                if not self._unfreed:
+                    return
+                await self._free_unfreed()
+                continue  # a step enqueued meanwhile found this watcher running: look again
             await asyncio.sleep(POLL_S)
 
     def _end(self, session: OrderedSession, reason: str) -> None:
@@ -114,11 +118,29 @@ class SessionTable:
         self.watch()
 
     async def close(self, session: OrderedSession, reason: str) -> None:
-        """The session's call ended: end it (if still open), wait for its stream to drain, free it."""
+        """The session's call ended: end it (if still open), wait for its stream to drain, give
+        its streams back and free its marks once no session waits."""
         self._end(session, reason)
         await session.drained.wait()
         self._sessions.pop(session.id, None)
-        await self.handle.run(session.gpu.close)
+        session.gpu.give_back_streams()
+        self._unfreed.append(session.gpu)
+        self.watch()  # frees it once no session waits
+
+    async def _free_unfreed(self) -> None:
+        """Free the marks of closed sessions, unless a session has a step pending (``cudaFree``
+        waits for the whole device, and with it for that step's mark); the watcher calls this
+        again when the last pending step is retired. A step enqueued between the check and the
+        free holds the free (and the launch thread) until its mark comes: one forward for an
+        engine that decodes, at most its session's wait limit for one that stalls."""
+        if not self._unfreed or any(s is not None and s.pending for s in self._sessions.values()):
+            return
+        unfreed, self._unfreed = self._unfreed, []
+        try:
+            for gpu in unfreed:
+                await self.handle.run(gpu.free)
+        except RuntimeError:  # the device's thread has stopped (the server stops): the process frees it
+            pass
 
     def end_all(self, reason: str) -> None:
         """The server stops: end every session (their calls then end and close them)."""
