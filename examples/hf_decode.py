@@ -9,7 +9,7 @@ sequence ids; ``use_sequences=False`` sends every row's parameters and lists eac
 shared-memory region (``transport="shm"``, server on this host) or a CUDA IPC region
 (``transport="cuda"``, the model and the server on this host's GPU, cuda-python installed: the
 ``cuda`` extra; the default when the model is on CUDA); rows still decoding are packed into the
-region's first rows, so each call names one contiguous block of it.
+region's first rows. ``transport="ordered"``: calls ordered on the GPU (hf_decode_ordered.py).
 
     python examples/hf_decode.py --tiny --prompt 1,2,3 --prompt 4,5 --max-new-tokens 16
     python examples/hf_decode.py --model path/to/checkpoint --prompt "Hello" --server 127.0.0.1:50051 \
@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import inspect
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -46,7 +47,7 @@ import torch
 from logitserve.client import Client
 from logitserve.client.regions import shared_tensor
 
-TRANSPORTS = ("auto", "bytes", "shm", "cuda")
+TRANSPORTS = ("auto", "bytes", "shm", "cuda", "ordered")  # ordered: examples/hf_decode_ordered.py
 TINY_VOCAB = 256  # tiny_llama's vocabulary: --tiny's prompts are token ids below it
 
 
@@ -65,7 +66,7 @@ class DecodeOptions:
     pad_token_id: int = 0               # left padding of the prompts, and the tokens after a row's eos
     logprobs: int | None = None         # top-n logprobs of the raw logits (0: the chosen token's only)
     use_sequences: bool = True          # server-side sequences; False: stateless Sample calls
-    transport: str = "auto"             # auto, bytes, shm (POSIX shared memory), cuda (CUDA IPC)
+    transport: str = "auto"             # auto, bytes, shm, cuda (CUDA IPC), ordered (calls ordered on the GPU)
 
     def eos_ids(self) -> list[int]:
         eos = self.eos_token_id
@@ -199,11 +200,9 @@ def _cache_name(model) -> str:
 
 
 def _last_logits_keyword(model) -> dict:
+    """The forward's keyword that keeps the last position's logits only (none: {})."""
     params = inspect.signature(model.forward).parameters
-    for name in ("logits_to_keep", "num_logits_to_keep"):
-        if name in params:
-            return {name: 1}
-    return {}
+    return next(({name: 1} for name in ("logits_to_keep", "num_logits_to_keep") if name in params), {})
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,11 +224,13 @@ def decode(model, client: Client, prompts: Sequence[Sequence[int]], options: Dec
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts or not all(prompts):
         raise ValueError("prompts: give at least one prompt, each of at least one token")
+    if options.transport == "ordered":
+        from hf_decode_ordered import decode_ordered  # beside this file; it takes this module's helpers
+        return decode_ordered(model, client, prompts, options, sys.modules[__name__])
     device = next(model.parameters()).device
     eos = torch.tensor(options.eos_ids(), dtype=torch.long)
     cache_name, last_only = _cache_name(model), _last_logits_keyword(model)
-    started = time.perf_counter()
-    in_logitserve = 0.0
+    started, in_logitserve = time.perf_counter(), 0.0
 
     input_ids, mask = left_pad(prompts, options.pad_token_id, device)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # left padding: positions start at each prompt

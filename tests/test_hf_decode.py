@@ -225,6 +225,22 @@ def test_cuda_ipc_region_matches_generate():
     np.testing.assert_array_equal(result.token_ids, expected)
 
 
+@pytest.mark.cuda
+def test_ordered_calls_match_generate():
+    """--transport ordered: the draws ordered on the GPU, the tokens read by the next forward there."""
+    pytest.importorskip("cuda.bindings")
+    sys.path.insert(0, str(pathlib.Path(hf_decode.__file__).parent))  # hf_decode_ordered, beside it
+    model = hf_decode.tiny_llama(vocab_size=256, seed=0).to("cuda")
+    ids, mask = hf_decode.left_pad(PROMPTS, PAD, "cuda")
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=PAD,
+                              eos_token_id=None, repetition_penalty=1.5)[:, ids.shape[1]:].cpu().numpy()
+    with ServerProcess("--warmup-dtypes", "none", device="cuda:0", backend="triton") as s, \
+            Client(s.target, timeout=300) as client:
+        result = _decode(model, client, repetition_penalty=1.5, transport="ordered")
+    assert result.transport == "ordered"
+    np.testing.assert_array_equal(result.token_ids, expected)
+
+
 def test_a_refused_call_raises_its_error_and_frees_the_region(server, model):
     """A call the server refuses mid-loop raises the server's error (not a complaint about the
     shared memory its traceback still views), and the loop's region is unregistered."""
