@@ -119,7 +119,7 @@ def test_reflection_lists_the_services():
         assert {m.name for m in service.methods} == {"Sample", "RouteExperts", "Softmax", "CausalSoftmax", "Silu",
                                                      "VerifyDraft", "Step", "StreamSteps", "GetServerInfo",
                                                      "OpenSequences", "CloseSequences", "UpdateSequences",
-                                                     "OpenChannel", "CloseChannel"}
+                                                     "OpenChannel", "CloseChannel", "OrderedSession"}
 
 
 # ----------------------------------------------------------------------------------------- TLS

@@ -104,15 +104,17 @@ def _enqueue(call: SampleCall, gpu, mark: int, handle) -> tuple[torch.cuda.Event
     with processor fields in CUDA regions the host flag of their checks (valid once it passed)."""
     broken = None
     with torch.cuda.stream(gpu.stream):
-        gpu.wait_ready(mark)
         if call.processors is not None:  # the processors' launch, as a lone call's (its checks queued first)
+            gpu.wait_ready(mark)
             _, _, broken = launch_processed(call, handle, param_names([call]))
         else:
+            # The parameters' copy goes before the wait: it overlaps the caller's forward.
             stage = Staging()
             for column in call.params:
                 stage.add([column])
             floats, ints = stage.to(handle.device)
             params = dict(zip(param_names([call]), (*floats.unbind(1), *ints.unbind(1))))
+            gpu.wait_ready(mark)
             tokens = kernels.sample(call.logits.torch(), **params, filter_order=call.filter_order,
                                     backend=handle.backend)
             call.put_outputs(tokens, params["seed"])
