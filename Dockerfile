@@ -118,5 +118,8 @@ EXPOSE 50051
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "/opt/logitserve/healthcheck.py"]
 
+# A same-host engine ordering its calls on the GPU shares the GPU with this server: run both as
+# clients of one MPS daemon, started on the host (docs/DEPLOY.md, "Same-host engines: MPS"):
+#   docker run --gpus all --ipc=host -v /tmp/nvidia-mps:/tmp/nvidia-mps ... logitserve serve
 ENTRYPOINT ["logitserve"]
 CMD ["serve", "--host", "0.0.0.0"]
