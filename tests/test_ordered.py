@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from logitserve.server.config import ServerConfig
-from logitserve.server.ordered.session import OrderedSession, PendingStep, SessionEnded
+from logitserve.server.ordered.session import MarkEnqueued, OrderedSession, PendingStep, SessionEnded
 from logitserve.server.testing import ServerThread
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
@@ -81,9 +81,19 @@ class FakeEvent:
 class FakeRegions:
     def __init__(self):
         self.released = 0
+        self.held = 0
+
+    def hold(self):
+        self.held += 1
 
     def release(self):
         self.released += 1
+
+
+class FakeCall:
+    def __init__(self, name: str):
+        self.name = name
+        self.regions = FakeRegions()
 
 
 def _session(timeout_s: float = 1.0, ahead: int = 2) -> OrderedSession:
@@ -98,11 +108,11 @@ def _step(session: OrderedSession, mark: int) -> tuple[FakeEvent, FakeRegions]:
 
 def test_marks_go_in_order_from_one():
     session = _session()
-    with pytest.raises(ValueError, match=r"ordered.mark: 2, but session 7's next mark is 1 \(each call's mark"):
+    with pytest.raises(ValueError, match=r"ordered.mark: 2, but session 7's next mark is 1 \(each step's mark"):
         session.check_mark(2, "ordered.mark")
     session.check_mark(1, "ordered.mark")
     _step(session, 1)
-    with pytest.raises(ValueError, match="next mark is 2"):
+    with pytest.raises(MarkEnqueued, match="ordered.mark: 1 is enqueued already; the first mark a call may take is 2"):
         session.check_mark(1, "ordered.mark")
     session.check_mark(2, "ordered.mark")
 
@@ -175,3 +185,51 @@ def test_a_call_past_the_steps_ahead_waits_for_the_oldest():
             await asyncio.wait_for(waiting, 1)
 
     asyncio.run(scenario())
+
+
+def _enqueue_promised(session: OrderedSession) -> tuple[str, int, int]:
+    call, mark, k = session.next_step()
+    session.add(PendingStep(mark, FakeEvent(), FakeRegions()))
+    return call.name, mark, k
+
+
+def test_a_standing_call_serves_its_marks_and_a_later_one_replaces_the_rest():
+    session = _session(ahead=64)
+    first = FakeCall("first")
+    session.add(PendingStep(1, FakeEvent(), FakeRegions()))  # its first mark, enqueued by its handler
+    session.promise(first, 1, repeat=10)
+    assert first.regions.held == 1 and session.next_mark == 11
+    assert [_enqueue_promised(session) for _ in range(3)] == [("first", 2, 1), ("first", 3, 2), ("first", 4, 3)]
+    with pytest.raises(MarkEnqueued, match="the first mark a call may take is 5 .*, or 11"):
+        session.check_mark(4, "ordered.mark")
+    with pytest.raises(ValueError, match="next mark is 11"):
+        session.check_mark(12, "ordered.mark")
+    session.check_mark(7, "ordered.mark")  # replaces marks 7..10
+    assert [_enqueue_promised(session) for _ in range(2)] == [("first", 5, 4), ("first", 6, 5)]
+    second = FakeCall("second")
+    session.add(PendingStep(7, FakeEvent(), FakeRegions()))
+    session.promise(second, 7, repeat=3)
+    assert first.regions.released == 1  # its promise ended: its enqueued steps hold its regions
+    assert session.next_mark == 10
+    assert [_enqueue_promised(session) for _ in range(2)] == [("second", 8, 1), ("second", 9, 2)]
+    assert session.next_step() is None and second.regions.released == 1 and session.next_mark == 10
+
+
+def test_ending_drops_the_promised_marks():
+    session = _session(ahead=64)
+    call = FakeCall("standing")
+    session.add(PendingStep(1, FakeEvent(), FakeRegions()))
+    session.promise(call, 1, repeat=100)
+    session.end("gone")
+    assert call.regions.released == 1 and session.next_step() is None
+
+
+def test_a_call_ahead_of_the_gpu_takes_over_at_its_mark():
+    session = _session(ahead=64)
+    first, ahead = FakeCall("first"), FakeCall("ahead")
+    session.add(PendingStep(1, FakeEvent(), FakeRegions()))
+    session.promise(first, 1, repeat=100)
+    session.promise(ahead, 4, repeat=1, enqueued=False)  # sent at mark 2, for mark 4
+    assert ahead.regions.held == 1 and session.next_mark == 5
+    assert [_enqueue_promised(session) for _ in range(3)] == [("first", 2, 1), ("first", 3, 2), ("ahead", 4, 0)]
+    assert session.next_step() is None and first.regions.released == 1 and ahead.regions.released == 1

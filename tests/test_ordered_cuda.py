@@ -88,6 +88,39 @@ def test_seeded_steps_draw_what_sample_draws_in_process(server):
         assert torch.equal(history, expected)
 
 
+def test_a_standing_call_draws_each_step_with_no_call_and_a_call_ahead_takes_over(server):
+    """One call serves every step (repeat), the engine only writing ready marks; a call sent at
+    step 5 for step 9 (rows changing) takes over there."""
+    rows, vocab, steps, switch = 4, 32000, 16, 9
+    seeds = torch.arange(rows, dtype=torch.int64) + 4321
+    with Client(server.target, timeout=300) as client:
+        logits, tokens = _engine_buffers(client, rows, vocab)
+        logits_seen = torch.empty(steps, rows, vocab, device=DEVICE)
+        history = torch.full((steps, rows), -9, dtype=torch.int64, device=DEVICE)
+        stream = torch.cuda.Stream()
+        generator = torch.Generator(device=DEVICE).manual_seed(11)
+        with client.ordered_session(max_steps_ahead=2) as session, torch.cuda.stream(stream):
+            for n in range(steps):
+                torch.cuda._sleep(SLOW_FORWARD_CYCLES // 4)
+                torch.randn(rows, vocab, generator=generator, out=logits, device=DEVICE)
+                logits_seen[n].copy_(logits)
+                if n == 0:
+                    step = session.sample(logits, out={"token_ids": tokens}, stream=stream, temperature=0.8, top_k=50,
+                                          seed=seeds.numpy(), step=0, repeat=1000)
+                else:
+                    if n == 5:
+                        session.sample(logits, out={"token_ids": tokens}, stream=stream, temperature=0.3,
+                                       seed=seeds.numpy(), step=switch, repeat=1000, mark=switch + 1)
+                    step = session.step(stream)
+                history[n].copy_(tokens)
+            assert step.mark == steps
+            step.result()
+        expected = torch.stack([
+            kernels.sample(logits_seen[n], temperature=0.8, top_k=50, seed=seeds.to(DEVICE), step=n) if n < switch else
+            kernels.sample(logits_seen[n], temperature=0.3, seed=seeds.to(DEVICE), step=n) for n in range(steps)])
+        assert torch.equal(history, expected)
+
+
 def test_penalties_and_a_grammar_mask_in_cuda_regions_are_ordered_too(server):
     """The engine keeps its output lists on the GPU and appends each step's tokens there, after
     the ordered call, on its stream: the next step's penalties read them after the append."""

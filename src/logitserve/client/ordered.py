@@ -76,6 +76,9 @@ class OrderedSession:
                                     "cudaIpcOpenMemHandle"))
         self._words = self._base + opened.marks_offset
         self._next_mark = 1
+        # The calls serving this session's marks: (first mark, the mark after its repetitions,
+        # outputs, seeds answered), in the order sent; a later one takes over from its first mark.
+        self._standing: list[tuple[int, int, dict, np.ndarray | None]] = []
         self._streams: dict[int, object] = {}  # every stream that waits on the marks, by handle
         self._failed: dict[int, pb.OrderedStepFailed] = {}
         self.ended: pb.OrderedSessionEnded | None = None
@@ -108,33 +111,76 @@ class OrderedSession:
                                           d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
                    "cuStreamWriteValue64")
 
-    def sample(self, logits, *, out, stream=None, timeout=CLIENT_TIMEOUT, **params) -> "OrderedStep":
+    def sample(self, logits, *, out, stream=None, repeat: int = 1, mark: int | None = None, timeout=CLIENT_TIMEOUT,
+               **params) -> "OrderedStep":
         """``Client.sample``'s call ordered on ``stream`` (default: the logits' device's current
         stream): the logits are read once the work enqueued on ``stream`` before this call is
         done, and the work enqueued on it after this call runs once the outputs are written.
         ``out``: ``token_ids`` (required) and optionally ``seeds``, ``valid``, registered CUDA
         tensors. ``params``: ``Client.sample``'s sampling parameters (scalars, or per-row arrays
-        on the host). Returns an :class:`OrderedStep` once the server has enqueued the work."""
+        on the host). Returns an :class:`OrderedStep` once the server has enqueued the work.
+
+        ``repeat``: the call serves this many steps, the k-th with ``step`` + k; the steps after
+        the first are :meth:`step`'s, with no call to the server. ``mark``: the step this call
+        starts at (default: the next); a later call may replace the remaining repetitions from a
+        mark the server has not enqueued yet (it enqueues at most ``max_steps_ahead`` unfinished
+        steps), the steps before it still :meth:`step`'s."""
         import torch
 
-        if self._closed or self.ended is not None:
-            raise LogitServeError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"ordered session {self.id} ended: {self._ended_reason()}")
+        self._check_open()
         stream = torch.cuda.current_stream(self.device) if stream is None else stream
         client = self._client
         enc = client._encoder()
         msg = messages.build_sample(enc, (), logits, out=out, **params)
-        mark = self._next_mark
-        msg.ordered.session_id, msg.ordered.mark = self.id, mark
-        self._streams[stream.cuda_stream] = stream
-        self._stream_op(stream, READY, mark, wait=False)  # after the logits' producer, on its stream
+        mark = self._next_mark if mark is None else mark
+        if mark < self._next_mark:
+            raise ValueError(f"mark: {mark}, but this session's stream has reached mark {self._next_mark}")
+        msg.ordered.session_id, msg.ordered.mark, msg.ordered.repeat = self.id, mark, repeat
+        now = mark == self._next_mark  # else a call ahead: its first step is step()'s when the stream gets there
+        if now:
+            self._streams[stream.cuda_stream] = stream
+            self._stream_op(stream, READY, mark, wait=False)  # after the logits' producer, on its stream
         answer = client._call("Sample", enc.serialize(msg), timeout, pb.SampleResponse.FromString, idempotent=False)
+        seeds = np.frombuffer(answer.seeds.data, dtype="<i8") if answer.seeds.data else None
+        self._standing = [s for s in self._standing if s[0] < mark] + [(mark, mark + max(repeat, 1),
+                                                                          dict(enc.outputs), seeds)]
+        return self._after_ready(stream, mark) if now else OrderedStep(self, mark, None, dict(enc.outputs), seeds)
+
+    def step(self, stream=None) -> "OrderedStep":
+        """The next step of a call serving several (``sample(repeat=)``), with no call to the
+        server: its ready mark written on ``stream`` (after the logits' producer), the stream's
+        next work held until its outputs are written."""
+        import torch
+
+        self._check_open()
+        if self._serving(self._next_mark) is None:
+            raise ValueError(f"step: no call serves mark {self._next_mark}; send one (sample)")
+        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        self._streams[stream.cuda_stream] = stream
+        mark = self._next_mark
+        self._stream_op(stream, READY, mark, wait=False)
+        return self._after_ready(stream, mark)
+
+    def _serving(self, mark: int):
+        """The call serving ``mark``: ``(first, end, outputs, seeds)``, the latest to start at or before it."""
+        found = [s for s in self._standing if s[0] <= mark < s[1]]
+        return found[-1] if found else None
+
+    def _after_ready(self, stream, mark: int) -> "OrderedStep":
+        import torch
+
         self._stream_op(stream, DONE, mark, wait=True)  # the stream's next work waits for the outputs
         self._next_mark = mark + 1
         done = torch.cuda.Event()
         done.record(stream)
-        seeds = np.frombuffer(answer.seeds.data, dtype="<i8") if answer.seeds.data else None
-        return OrderedStep(self, mark, done, dict(enc.outputs), seeds)
+        _, _, outputs, seeds = self._serving(mark)
+        self._standing = [s for s in self._standing if s[1] > self._next_mark]
+        return OrderedStep(self, mark, done, outputs, seeds)
+
+    def _check_open(self) -> None:
+        if self._closed or self.ended is not None:
+            raise LogitServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"ordered session {self.id} ended: {self._ended_reason()}")
 
     def _ended_reason(self) -> str:
         return self.ended.reason if self.ended is not None else "closed"
@@ -190,15 +236,18 @@ class OrderedStep:
 
     session: OrderedSession
     mark: int
-    done: object  # a CUDA event on the caller's stream, after its wait for the step's outputs
+    done: object  # a CUDA event on the caller's stream, after its wait for the step's outputs (None: sent ahead)
     outputs: dict
     seeds: np.ndarray | None
 
     def result(self):
         """Wait for the step on the host; its ``SampleResult`` read from the output regions.
-        ``LogitServeError`` when the session ended before the step ran as asked."""
+        ``LogitServeError`` when the session ended before the step ran as asked. (A call sent
+        ahead of its mark has no result: its steps are :meth:`OrderedSession.step`'s.)"""
         from .results import SampleResult
 
+        if self.done is None:
+            raise ValueError(f"result: mark {self.mark}'s call was sent ahead of it; its steps are session.step()'s")
         self.done.synchronize()
         self.session.check(self.mark)
         tokens = _host_array(self._output("token_ids"))

@@ -167,12 +167,14 @@ class SampleRequest(_message.Message):
     def __init__(self, logits: _Optional[_Union[Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., temperature_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_k: _Optional[int] = ..., top_k_rows: _Optional[_Union[Tensor, _Mapping]] = ..., top_p: _Optional[float] = ..., top_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., min_p: _Optional[float] = ..., min_p_rows: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., seed_rows: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ..., step_rows: _Optional[_Union[Tensor, _Mapping]] = ..., filter_order: _Optional[_Union[FilterOrder, str]] = ..., random_val: _Optional[float] = ..., random_val_rows: _Optional[_Union[Tensor, _Mapping]] = ..., output_regions: _Optional[_Mapping[str, RegionRef]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., output_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., repetition_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., frequency_penalty: _Optional[float] = ..., frequency_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., presence_penalty_rows: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_values: _Optional[_Union[Tensor, _Mapping]] = ..., logit_bias_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., allowed_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., banned_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., banned_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., min_tokens: _Optional[int] = ..., min_tokens_rows: _Optional[_Union[Tensor, _Mapping]] = ..., stop_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., stop_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grammar_bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., return_kept: bool = ..., sequence_ids: _Optional[_Iterable[int]] = ..., sequence_steps: _Optional[_Iterable[int]] = ..., ordered: _Optional[_Union[OrderedMark, _Mapping]] = ...) -> None: ...
 
 class OrderedMark(_message.Message):
-    __slots__ = ("session_id", "mark")
+    __slots__ = ("session_id", "mark", "repeat")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MARK_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     mark: int
-    def __init__(self, session_id: _Optional[int] = ..., mark: _Optional[int] = ...) -> None: ...
+    repeat: int
+    def __init__(self, session_id: _Optional[int] = ..., mark: _Optional[int] = ..., repeat: _Optional[int] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("token_ids", "seeds", "valid", "token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")

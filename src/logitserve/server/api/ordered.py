@@ -41,5 +41,5 @@ async def ordered_sample(service, call, mark: pb.OrderedMark, owner, timeout: fl
     table = service.ordered
     check_orderable(call, service.handle.device)
     session = table.get(owner, mark.session_id, "ordered.session_id")
-    await asyncio.wait_for(enqueue_sample(table, session, call, mark.mark), timeout)
+    await asyncio.wait_for(enqueue_sample(table, session, call, mark.mark, mark.repeat), timeout)
     return ordered_answer(call)

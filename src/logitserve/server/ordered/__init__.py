@@ -8,7 +8,7 @@ gives the contract; ``marks.py`` the GPU side, ``session.py`` a session's steps 
 """
 
 from .sample import check_orderable, enqueue_sample, ordered_answer
-from .session import OrderedSession, SessionEnded
+from .session import MarkEnqueued, OrderedSession, SessionEnded
 from .table import SessionTable
 
-__all__ = ["OrderedSession", "SessionEnded", "SessionTable", "check_orderable", "enqueue_sample", "ordered_answer"]
+__all__ = ["MarkEnqueued", "OrderedSession", "SessionEnded", "SessionTable", "check_orderable", "enqueue_sample", "ordered_answer"]

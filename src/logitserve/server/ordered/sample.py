@@ -19,6 +19,7 @@ on the session's stream, and nothing waits for the device.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 
 import numpy as np
@@ -61,21 +62,77 @@ def check_orderable(call: SampleCall, device: torch.device, path: str = "") -> N
                          f"read or answered by the host after its ready mark)")
 
 
-async def enqueue_sample(table, session: OrderedSession, call: SampleCall, mark: int, path: str = "") -> None:
-    """Enqueue ``call`` as step ``mark`` of ``session`` (of ``table``); returns once the launch
-    thread has enqueued it (the device is not waited for). ``SessionEnded`` / ``ValueError`` as
-    the session's checks say; waits (the caller's deadline applies) while the session holds its
-    ``max_steps_ahead`` unfinished steps.
+async def enqueue_sample(table, session: OrderedSession, call: SampleCall, mark: int, repeat: int = 1,
+                         path: str = "") -> None:
+    """Enqueue ``call`` as step ``mark`` of ``session`` (of ``table``), serving ``repeat`` marks
+    from there (OrderedMark.repeat); returns once the launch thread has enqueued its first mark
+    (the device is not waited for), the next ones following as the session has room (:func:`fill`);
+    a call for a later mark than the next to enqueue returns at once, its marks all the top-ups'.
+    ``SessionEnded`` / ``MarkEnqueued`` / ``ValueError`` as the session's checks say; waits (the
+    caller's deadline applies) while the session holds its ``max_steps_ahead`` unfinished steps.
 
-    Once the launch thread has the step, it is the session's whatever the caller does: a caller
+    Once the launch thread has a step, it is the session's whatever the caller does: a caller
     cancelled meanwhile leaves, and the step still joins the session's pending ones (its leases
-    released once the device is done with it), as its mark is on the GPU by then."""
+    released once the device is done with it), as its mark is on the GPU by then. A call that
+    fails before its first mark is enqueued changes nothing of the session."""
     await call.checked()  # processor fields as bytes or in system regions, off the loop (as the batcher does)
+    field = f"{path}ordered.mark"
     async with session.busy:
-        session.check_mark(mark, f"{path}ordered.mark")
-        await session.wait_for_room()
-        session.check_mark(mark, f"{path}ordered.mark")
-        await asyncio.shield(asyncio.ensure_future(_enqueue_step(table, session, call, mark)))
+        session.check_mark(mark, field)
+        if mark > session.next_enqueue:
+            # Ahead of the GPU (rows to change a few steps on): promised at once, enqueued by the
+            # top-ups as steps finish. Waiting here for room would hold the caller, whose ready
+            # marks for the steps before are what makes room.
+            session.promise(call, mark, repeat, enqueued=False)
+        else:
+            await session.wait_for_room()
+            session.check_mark(mark, field)
+            await asyncio.shield(asyncio.ensure_future(_enqueue_step(table, session, call, mark)))
+            session.promise(call, mark, repeat)
+    fill(table, session)
+
+
+async def _enqueue_next(table, session: OrderedSession, field: str) -> bool:
+    """Wait for room and enqueue the session's next promised mark; False when none is promised."""
+    await session.wait_for_room()
+    session.check_mark(session.next_enqueue, field)
+    found = session.next_step()
+    if found is None:
+        return False
+    call, mark, k = found
+    await asyncio.shield(asyncio.ensure_future(_enqueue_step(table, session, repetition(call, k), mark)))
+    return True
+
+
+def fill(table, session: OrderedSession) -> None:
+    """Top up the session's promised marks while it has room, in a task of its own (one at a
+    time); the watcher calls it again as steps finish."""
+    if session.filling or session.ended is not None or not session.sources or len(session.pending) >= \
+            session.max_steps_ahead:
+        return
+    session.filling = True
+
+    async def top_up() -> None:
+        try:
+            async with session.busy:
+                while session.ended is None and len(session.pending) < session.max_steps_ahead:
+                    if not await _enqueue_next(table, session, "ordered.mark"):
+                        break
+        except Exception as exc:  # noqa: BLE001 - the session cannot keep its promised marks: it ends
+            table.end(session, f"enqueueing mark {session.next_enqueue} failed: {exc!r}")
+        finally:
+            session.filling = False
+
+    asyncio.ensure_future(top_up())
+
+
+def repetition(call: SampleCall, k: int) -> SampleCall:
+    """``call``'s k-th repetition: its ``step`` (scalar or per row) + k, everything else shared
+    (its regions, outputs, seeds)."""
+    if k == 0:
+        return call
+    step = [v + k for v in call.step] if isinstance(call.step, list) else call.step + k
+    return dataclasses.replace(call, step=step)
 
 
 async def _enqueue_step(table, session: OrderedSession, call: SampleCall, mark: int) -> None:

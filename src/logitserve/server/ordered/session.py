@@ -44,6 +44,27 @@ class SessionEnded(Unsupported):
     """No such session of the caller, or it ended (FAILED_PRECONDITION); the reason is the message."""
 
 
+class MarkEnqueued(Unsupported):
+    """A call for a mark the session has enqueued already (FAILED_PRECONDITION)."""
+
+
+@dataclass(eq=False, slots=True)
+class Source:
+    """A call serving the session's marks ``[first, end)``: one, or its ``repeat`` (OrderedMark).
+    While it has marks to enqueue it holds its call's regions (each enqueued step holds them
+    too, until it is done)."""
+
+    call: object
+    first: int
+    end: int
+    holding: bool = False
+
+    def let_go(self) -> None:
+        if self.holding:
+            self.holding = False
+            self.call.regions.release()
+
+
 class OrderedSession:
     """A caller's stream-ordered session (server/ordered/table.py owns the table of them)."""
 
@@ -53,7 +74,10 @@ class OrderedSession:
         self.gpu = gpu  # marks.SessionGpu
         self.wait_timeout_s = wait_timeout_s
         self.max_steps_ahead = max_steps_ahead
-        self.next_mark = 1
+        # The calls whose marks are promised, in order, covering [next_enqueue, next_mark).
+        self.sources: collections.deque[Source] = collections.deque()
+        self.next_enqueue = 1  # the next mark to put on the GPU
+        self.filling = False  # a top-up of standing calls' marks is under way (table.py)
         self.pending: collections.deque[PendingStep] = collections.deque()
         # When the oldest pending step's wait started to count: its call, or the step before it
         # finishing, whichever came later (steps enqueued ahead wait for their turn, not a mark).
@@ -72,14 +96,45 @@ class OrderedSession:
             session_id=self.id, device_id=self.gpu.device.index, marks_handle=self.gpu.ipc_handle, marks_offset=0,
             wait_timeout_s=self.wait_timeout_s, max_steps_ahead=self.max_steps_ahead))
 
+    @property
+    def next_mark(self) -> int:
+        """The mark after every one promised: a call's, unless it replaces repetitions."""
+        return self.sources[-1].end if self.sources else self.next_enqueue
+
     def check_mark(self, mark: int, field: str) -> None:
-        """``SessionEnded`` if the session ended; ``ValueError`` naming ``field`` unless ``mark``
-        is the session's next."""
+        """``SessionEnded`` if the session ended; ``MarkEnqueued`` for a mark on the GPU already;
+        ``ValueError`` naming ``field`` for a mark past the next."""
         if self.ended is not None:
             raise SessionEnded(f"ordered session {self.id} ended: {self.ended}")
-        if mark != self.next_mark:
-            raise ValueError(f"{field}: {mark}, but session {self.id}'s next mark is {self.next_mark} (each call's "
-                             f"mark is the previous call's + 1, the first 1)")
+        if self.next_enqueue <= mark <= self.next_mark:
+            return
+        if mark < self.next_enqueue:
+            raise MarkEnqueued(f"{field}: {mark} is enqueued already; the first mark a call may take is "
+                               f"{self.next_enqueue} (replacing repetitions from there), or {self.next_mark}")
+        raise ValueError(f"{field}: {mark}, but session {self.id}'s next mark is {self.next_mark} (each step's mark "
+                         f"is the previous step's + 1, the first 1)")
+
+    def promise(self, call, mark: int, repeat: int, enqueued: bool = True) -> None:
+        """``call`` serves marks ``[mark, mark + repeat)`` (``enqueued``: its first was just put on
+        the GPU; else it is ahead of the GPU, all its marks to come): what earlier calls promised
+        from ``mark`` on is dropped (rows joined, left or changed)."""
+        for source in self.sources:
+            source.end = min(source.end, mark)
+        for source in [s for s in self.sources if s.end <= s.first or s.end <= self.next_enqueue]:
+            source.let_go()
+        self.sources = collections.deque(s for s in self.sources if s.end > max(s.first, self.next_enqueue))
+        if repeat > 1 or not enqueued:
+            call.regions.hold()
+            self.sources.append(Source(call, mark, mark + max(repeat, 1), holding=True))
+
+    def next_step(self) -> tuple[object, int, int] | None:
+        """The next mark to enqueue: ``(its source's call, the mark, its repetition k)``, or None."""
+        while self.sources and self.sources[0].end <= self.next_enqueue:
+            self.sources.popleft().let_go()
+        if not self.sources:
+            return None
+        source = self.sources[0]
+        return source.call, self.next_enqueue, self.next_enqueue - source.first
 
     async def wait_for_room(self) -> None:
         while len(self.pending) >= self.max_steps_ahead:
@@ -89,10 +144,13 @@ class OrderedSession:
                 raise SessionEnded(f"ordered session {self.id} ended: {self.ended}")
 
     def add(self, step: PendingStep) -> None:
+        """Step ``step.mark`` (:meth:`next_step`'s) is on the GPU."""
         if not self.pending:
             self.head_since = time.monotonic()
         self.pending.append(step)
-        self.next_mark = step.mark + 1
+        self.next_enqueue = step.mark + 1
+        while self.sources and self.sources[0].end <= self.next_enqueue:
+            self.sources.popleft().let_go()  # its last mark is enqueued: its steps hold its regions
         if len(self.pending) >= self.max_steps_ahead:
             self.room.clear()
 
@@ -142,6 +200,8 @@ class OrderedSession:
         if self.ended is not None:
             return
         self.ended = reason
+        while self.sources:  # promised marks never enqueued: their calls' regions go
+            self.sources.popleft().let_go()
         self.gpu.release()
         self.room.set()
         self.events.put_nowait(pb.OrderedSessionEvent(ended=pb.OrderedSessionEnded(

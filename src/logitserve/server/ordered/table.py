@@ -23,6 +23,7 @@ import time
 from ..errors import TooLarge
 from ..engine.device import DeviceHandle
 from .marks import SessionGpu, StreamPool, available
+from .sample import fill
 from .session import OrderedSession, SessionEnded
 
 # How often the watcher polls pending steps: a step's leases go at most this long after it is
@@ -101,7 +102,9 @@ class SessionTable:
             for session in [s for s in self._sessions.values() if s is not None and s.ended is None]:
                 reason = session.poll(now)
                 if reason is not None:
-                    self._end(session, reason)
+                    self.end(session, reason)
+                elif session.sources:
+                    fill(self, session)  # standing calls' next marks, as steps finish
             for session in list(self._ending):
                 if session.retire_all():
                     self._ending.discard(session)
@@ -112,7 +115,8 @@ class SessionTable:
                 continue  # a step enqueued meanwhile found this watcher running: look again
             await asyncio.sleep(POLL_S)
 
-    def _end(self, session: OrderedSession, reason: str) -> None:
+    def end(self, session: OrderedSession, reason: str) -> None:
+        """End ``session`` (OrderedSession.end) and retire its steps as its released stream drains."""
         session.end(reason)
         self._ending.add(session)
         self.watch()
@@ -120,7 +124,7 @@ class SessionTable:
     async def close(self, session: OrderedSession, reason: str) -> None:
         """The session's call ended: end it (if still open), wait for its stream to drain, give
         its streams back and free its marks once no session waits."""
-        self._end(session, reason)
+        self.end(session, reason)
         await session.drained.wait()
         self._sessions.pop(session.id, None)
         session.gpu.give_back_streams()
@@ -145,4 +149,4 @@ class SessionTable:
     def end_all(self, reason: str) -> None:
         """The server stops: end every session (their calls then end and close them)."""
         for session in [s for s in self._sessions.values() if s is not None]:
-            self._end(session, reason)
+            self.end(session, reason)
