@@ -333,10 +333,32 @@ def ordered_call(engine: Engine, params: dict, steps: int, warmup: int, client) 
     return run
 
 
+def ordered_standing(engine: Engine, params: dict, steps: int, warmup: int, client) -> Run:
+    """Steps enqueued ahead with no call per step: one ``session.sample(repeat=)`` at step 0
+    (step + k for its k-th step), then ``session.step`` each step: a ready mark and a wait on the
+    engine's stream, no message to the server."""
+    last = []
+
+    def sample_step(n: int) -> None:
+        if n == 0:
+            last[:] = [session.sample(engine.logits, out={"token_ids": engine.tokens}, stream=engine.stream, **params,
+                                      seed=engine.seed_rows_host, step=0, repeat=warmup + steps)]
+        else:
+            last[:] = [session.step(engine.stream)]
+
+    with client.ordered_session() as session:
+        run = decode(engine, steps, warmup, sample_step)
+        answered = last[0].result().token_ids
+    if not np.array_equal(np.asarray(answered), run.tokens[-1]):
+        run.notes.append(f"the last step's result {np.asarray(answered)[:4].tolist()} is not its tokens "
+                         f"{run.tokens[-1][:4].tolist()}")
+    return run
+
+
 def run_mode(mode: str, engine: Engine, params: dict, steps: int, warmup: int, client) -> Run:
     """A run of ``mode``: in_process without a client; else ``sync_*`` or ``ordered_*`` calls
     through ``client`` (its transport, gRPC or the same-host channel, is the client's)."""
     if client is None:
         return in_process(engine, params, steps, warmup)
-    call = sync_call if mode.startswith("sync_") else ordered_call
+    call = sync_call if mode.startswith("sync_") else ordered_standing if mode == "ordered_standing" else ordered_call
     return call(engine, params, steps, warmup, client)

@@ -13,7 +13,9 @@ from the device and writing B x 128256 float32 logits) decodes ``--steps`` steps
   and tokens in CUDA regions; the client synchronizes the engine's stream, the call returns with
   the tokens written;
 - ``ordered_grpc``, ``ordered_channel``: ``Client.ordered_session()``'s stream-ordered calls,
-  which return once enqueued; the engine's stream waits for the server's writes on the device.
+  which return once enqueued; the engine's stream waits for the server's writes on the device;
+- ``ordered_standing``: one ordered call serving every step (``repeat``), then ``session.step``:
+  no message to the server per step.
 
 Plain sampling (T 0.8, top_k 50, top_p 0.9), seed 1234 + row, step = the step index: every mode
 must draw in_process's tokens at every step. One server process (``bench/servers.py``) serves
@@ -40,9 +42,10 @@ import threading
 import time
 import traceback
 
-MODES = ("in_process", "sync_grpc", "sync_channel", "ordered_grpc", "ordered_channel")
+MODES = ("in_process", "sync_grpc", "sync_channel", "ordered_grpc", "ordered_channel", "ordered_standing")
 REFERENCE = "in_process"
-TRANSPORT = {"sync_grpc": "grpc", "sync_channel": "shm", "ordered_grpc": "grpc", "ordered_channel": "shm"}
+TRANSPORT = {"sync_grpc": "grpc", "sync_channel": "shm", "ordered_grpc": "grpc", "ordered_channel": "shm",
+             "ordered_standing": "shm"}
 # The features axis: each entry is one way of sampling the matrix could run (penalties with a
 # grammar bitmask, sampling by sequence ids are to come); every cell runs each listed entry.
 FEATURES = {"plain": dict(temperature=0.8, top_k=50, top_p=0.9)}
