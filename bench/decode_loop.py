@@ -1,6 +1,6 @@
 """LLM decode loop benchmark (issue 44 item 4): what each way of sampling adds to a decode step.
 
-    python -m bench.decode_loop --out decode_loop.json      # the whole matrix, about 6 minutes on an H100
+    python -m bench.decode_loop --repeats 2 --out decode_loop.json  # the whole matrix, about 7 minutes on an H100
 
 A synthetic engine (``bench/decode_engine.py``: a CUDA graph of bf16 matmuls, hidden 8192,
 calibrated per batch size to take ``--step-ms`` a forward, reading the previous step's tokens
@@ -17,12 +17,13 @@ from the device and writing B x 128256 float32 logits) decodes ``--steps`` steps
 - ``ordered_standing``: one ordered call serving every step (``repeat``), then ``session.step``:
   no message to the server per step.
 
-Plain sampling (T 0.8, top_k 50, top_p 0.9), seed 1234 + row, step = the step index: every mode
-must draw in_process's tokens at every step. One server process (``bench/servers.py``) serves
-every mode that calls one. Cells run in ``--step-ms`` order, batch sizes inside; each repeat runs
-every mode in turn, so drift hits them alike. The JSON is rewritten after every run, and
-``--budget-s`` stops the matrix before a run that would end past it (an alarm at the budget
-stops a run in progress), so the output holds every run finished.
+Features (``bench/decode_features.py``): ``plain`` (T 0.8, top_k 50, top_p 0.9) at every step time,
+``penalties_bitmask`` (plain after penalties and a grammar bitmask) at 5 ms only. Seed 1234 + row, step =
+the step index: every mode must draw in_process's tokens at every step. One server process
+(``bench/servers.py``) serves every mode that calls one. Cells run in ``--step-ms`` order, then batch
+sizes, then features; each repeat runs every mode in turn, so drift hits them alike. The JSON is rewritten
+after every run, and ``--budget-s`` stops the matrix before a run that would end past it (an alarm at the
+budget stops a run in progress), so the output holds every run finished.
 """
 
 from __future__ import annotations
@@ -42,13 +43,12 @@ import threading
 import time
 import traceback
 
+from . import decode_features
+
 MODES = ("in_process", "sync_grpc", "sync_channel", "ordered_grpc", "ordered_channel", "ordered_standing")
 REFERENCE = "in_process"
 TRANSPORT = {"sync_grpc": "grpc", "sync_channel": "shm", "ordered_grpc": "grpc", "ordered_channel": "shm",
              "ordered_standing": "shm"}
-# The features axis: each entry is one way of sampling the matrix could run (penalties with a
-# grammar bitmask, sampling by sequence ids are to come); every cell runs each listed entry.
-FEATURES = {"plain": dict(temperature=0.8, top_k=50, top_p=0.9)}
 CALL_TIMEOUT_S = 60.0
 RUN_OVERHEAD_S = 1.0  # a run's set-up and checks beyond its steps, for the budget's forecast
 HARD_STOP_GRACE_S = 60.0  # past the budget, a run that does not stop (a hung wait) is ended by exiting
@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", type=_modes, default=",".join(MODES),
                         help=f"comma-separated, of {', '.join(MODES)} ({REFERENCE} always runs: the floor and "
                              "the reference tokens)")
+    parser.add_argument("--features", type=decode_features.names, default=argparse.SUPPRESS,
+                        help=f"comma-separated, of {decode_features.choices()}; default: every one that runs at "
+                             "a --step-ms given")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every mode per cell, interleaved")
     parser.add_argument("--steps", type=int, default=200, help="timed decode steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before them (their tokens compared too)")
@@ -105,6 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 2 or args.warmup < 0:
         parser.error("--repeats must be >= 1, --steps >= 2 (a gap needs two forwards), --warmup >= 0")
+    args.features = decode_features.resolve(getattr(args, "features", None), args.step_ms, parser.error)
     return args
 
 
@@ -138,7 +142,7 @@ def summarize(cells: list[dict]) -> list[dict]:
             ms = statistics.median(r["ms_per_step"] for r in ok) if ok else None
             kernel = [r["kernel_us_median"] for r in ok if r.get("kernel_us_median") is not None]
             rows.append(dict(
-                step_ms=cell["step_ms"], batch=cell["batch"], features=cell["features"], layers=cell["layers"],
+                step_ms=cell["step_ms"], batch=cell["batch"], feature=cell["feature"], layers=cell["layers"],
                 forward_ms=statistics.median(r["forward_ms_median"] for r in ok) if ok else None, mode=mode,
                 ms_per_step=ms, repeats=[r["ms_per_step"] for r in ok],
                 added_us=None if ms is None or floor_ms is None or mode == REFERENCE else (ms - floor_ms) * 1e3,
@@ -154,13 +158,13 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| step ms | B | layers | forward ms | mode | ms/step | repeats (ms/step) | added us | GPU gap us "
-             "| kernel us | tokens equal |",
-             "|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---|"]
+    lines = ["| step ms | B | feature | layers | forward ms | mode | ms/step | repeats (ms/step) | added us "
+             "| GPU gap us | kernel us | tokens equal |",
+             "|---:|---:|---|---:|---:|---|---:|---|---:|---:|---:|---|"]
     for r in rows:
         tokens = r["tokens"] if not r["errors"] else f"error: {r['errors'][0][:100]}"
-        lines.append(f"| {r['step_ms']:g} | {r['batch']} | {r['layers']} | {_num(r['forward_ms'], 2)} | {r['mode']} "
-                     f"| {_num(r['ms_per_step'], 3)} | {', '.join(f'{v:.3f}' for v in r['repeats'])} "
+        lines.append(f"| {r['step_ms']:g} | {r['batch']} | {r['feature']} | {r['layers']} | {_num(r['forward_ms'], 2)} "
+                     f"| {r['mode']} | {_num(r['ms_per_step'], 3)} | {', '.join(f'{v:.3f}' for v in r['repeats'])} "
                      f"| {_num(r['added_us'])} | {_num(r['gap_us'])} | {_num(r['kernel_us'])} | {tokens} |")
     return lines
 
@@ -170,7 +174,7 @@ def header(meta: dict) -> list[str]:
              f"Command: `{meta['command']}`.",
              f"Engine: hidden {meta['hidden']}, vocab {meta['vocab']}, bf16 tanh layers calibrated per B to the "
              f"step time; {meta['steps']} timed steps after {meta['warmup']} warm-up, {meta['repeats']} repeats "
-             f"with the modes interleaved. Sampling: {meta['features']}, seed 1234 + row, step = the step index.",
+             f"with the modes interleaved. Features: {meta['features']}; seed 1234 + row, step = the step index.",
              "ms/step: the run's wall time over its steps, median of the repeats; added: over in_process; GPU gap: "
              "the device idle between a forward's end and the next one's start (median over steps, then repeats); "
              "kernel: in_process's sampling call on the device; tokens equal: every step's tokens as in_process's "
@@ -261,11 +265,11 @@ def _clients(stack: contextlib.ExitStack, args, meta: dict, live, server_pid: li
     return clients
 
 
-def _register(engine, clients: dict, live, skipped: dict) -> None:
-    """The engine's buffers as regions of every client; one that cannot (no cuda-python) takes its modes out."""
+def _register(register, clients: dict, live, skipped: dict) -> None:
+    """``register(client)`` (CUDA regions) for every client; one that cannot (no cuda-python) takes its modes out."""
     for transport, client in clients.items():
         try:
-            engine.register(client)
+            register(client)
         except Exception as exc:  # noqa: BLE001 - reported as the modes' reason
             _skip(skipped, [m for m in live() if TRANSPORT.get(m) == transport], f"registering CUDA regions: {exc}")
 
@@ -328,21 +332,24 @@ def run_matrix(args: argparse.Namespace, meta: dict, cells: list[dict], started:
         clients = _clients(stack, args, meta, live, server_pid)
         try:
             weights = decode_engine.Weights(args.hidden, args.vocab, torch.device(args.device))
-            engines = {}
+            engines, lists = {}, decode_features.Lists(args.vocab, weights.device,
+                                                       lambda register: _register(register, clients, live, skipped))
             for step_ms in args.step_ms:
-                for batch in args.batch:
+                features = decode_features.cell_features(step_ms, args.features)
+                for batch in (args.batch if features else ()):
                     if batch not in engines:
                         engines[batch] = decode_engine.Engine(weights, batch)
-                        _register(engines[batch], clients, live, skipped)
+                        _register(engines[batch].register, clients, live, skipped)
                     engine = engines[batch]
                     layers, forward_ms = engine.calibrate_to(step_ms, args.tolerance)
                     logit_std, _ = engine.logit_spread()
                     print(f"# cell {step_ms:g} ms, B {batch}: {layers} layers, forward {forward_ms:.2f} ms, "
                           f"logits' std {logit_std:.2f}", file=sys.stderr, flush=True)
-                    for features, params in FEATURES.items():
-                        cells.append(dict(step_ms=step_ms, batch=batch, features=features, layers=layers,
+                    for name in features:
+                        cells.append(dict(step_ms=step_ms, batch=batch, feature=name, layers=layers,
                                           calibrated_forward_ms=forward_ms, logit_std=logit_std, runs=[]))
-                        _run_cell(cells[-1], engine, params, args, clients, live, skipped, started, save)
+                        _run_cell(cells[-1], engine, lists.params(name, batch), args, clients, live, skipped,
+                                  started, save)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)  # closing the clients and stopping the server go uncut
 
@@ -359,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                 date=datetime.datetime.now().isoformat(timespec="seconds"),
                 gpu=torch.cuda.get_device_name(args.device), commit=_git_commit(), torch=torch.__version__,
                 hidden=args.hidden, vocab=args.vocab, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-                features=", ".join(f"{name} ({', '.join(f'{k} {v}' for k, v in p.items())})"
-                                   for name, p in FEATURES.items()),
+                features=decode_features.describe(args.features),
                 skipped={}, stopped=None)
     cells: list[dict] = []
     server_pid: list[int] = []

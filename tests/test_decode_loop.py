@@ -1,6 +1,6 @@
-"""bench.decode_loop's pure parts, on the CPU (no GPU, no server): the matrix's arguments, the
-token comparison, the calibration's arithmetic on made-up timings, the summary and its table,
-and the budget's forecast."""
+"""bench.decode_loop's pure parts, on the CPU (no GPU, no server): the matrix's arguments and
+features, the token comparison, the calibration's arithmetic on made-up timings, the summary and
+its table, the budget's forecast, and the penalties_bitmask feature's tensors (made on the CPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
+from bench import decode_features
 from bench.decode_engine import ForwardModel, calibrate, compare_tokens, fit, layers_for
 from bench.decode_loop import (MODES, forecast_s, header, parse_args, summarize, table, tokens_verdict,
                                write_results)
@@ -19,6 +21,7 @@ def test_the_default_matrix_is_every_mode_at_every_batch_and_step_time():
     assert args.batch == [1, 32, 256]
     assert args.step_ms == [5.0, 2.0, 20.0]
     assert args.modes == list(MODES)
+    assert args.features == ["plain", "penalties_bitmask"]
     assert (args.repeats, args.steps, args.warmup, args.hidden, args.vocab) == (3, 200, 10, 8192, 128256)
     assert args.budget_s < 540  # ends, with its shutdown, inside a 10-minute command
 
@@ -29,8 +32,26 @@ def test_subsets_keep_the_reference_first_and_the_modes_in_order():
     assert args.modes == ["in_process", "sync_grpc", "ordered_channel"]
 
 
+@pytest.mark.parametrize("argv, features", [
+    ([], ["plain", "penalties_bitmask"]), (["--step-ms", "2,20"], ["plain"]),  # default: those that run there
+    (["--features", "penalties_bitmask,plain"], ["plain", "penalties_bitmask"]),
+    (["--features", "penalties_bitmask", "--step-ms", "5.0"], ["penalties_bitmask"]),
+])
+def test_features_run_where_they_can(argv, features):
+    assert parse_args(argv).features == features
+
+
+def test_penalties_run_at_5_ms_only():
+    chosen = list(decode_features.FEATURES)
+    assert decode_features.cell_features(5.0, chosen) == ["plain", "penalties_bitmask"]
+    assert decode_features.cell_features(2.0, chosen) == decode_features.cell_features(20.0, chosen) == ["plain"]
+    assert decode_features.cell_features(2.0, ["penalties_bitmask"]) == []
+
+
 @pytest.mark.parametrize("argv", [["--modes", "in_process,async"], ["--batch", "0,32"], ["--batch", "a"],
-                                  ["--step-ms", "-2"], ["--steps", "1"], ["--repeats", "0"]])
+                                  ["--step-ms", "-2"], ["--steps", "1"], ["--repeats", "0"],
+                                  ["--features", "plain,grammar"],
+                                  ["--features", "penalties_bitmask", "--step-ms", "2,20"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -93,7 +114,7 @@ def _run(mode, ms, gap, repeat=0, mismatch=None, kernel=None):
                 kernel_us_median=kernel, notes=[], mismatch=mismatch or {"steps": 0, "first": None})
 
 
-CELL = dict(step_ms=5.0, batch=32, features="plain", layers=108, calibrated_forward_ms=4.95, logit_std=2.5, runs=[
+CELL = dict(step_ms=5.0, batch=32, feature="plain", layers=108, calibrated_forward_ms=4.95, logit_std=2.5, runs=[
     _run("in_process", 5.10, 60.0, kernel=55.0), _run("sync_grpc", 5.50, 450.0),
     _run("in_process", 5.12, 62.0, 1, kernel=56.0), _run("sync_grpc", 5.40, 440.0, 1, {"steps": 4, "first": 206}),
     dict(mode="ordered_grpc", repeat=0, error="LogitServeError: UNAVAILABLE"),
@@ -114,22 +135,32 @@ def test_summary_takes_medians_and_the_difference_to_in_process():
 
 def test_table_has_a_row_per_mode_with_its_numbers():
     lines = table(summarize([CELL]))
-    assert lines[0].startswith("| step ms | B |") and len(lines) == 2 + 3
-    assert lines[3] == ("| 5 | 32 | 108 | 4.90 | sync_grpc | 5.450 | 5.500, 5.400 | 340.0 | 445.0 |  "
+    assert lines[0].startswith("| step ms | B | feature |") and len(lines) == 2 + 3
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    assert lines[3] == ("| 5 | 32 | plain | 108 | 4.90 | sync_grpc | 5.450 | 5.500, 5.400 | 340.0 | 445.0 |  "
                         "| **no**: 4 steps in 1 of 2 runs, first at step 206 |")
     assert "error: LogitServeError: UNAVAILABLE" in lines[4]
 
 
+def test_table_rows_name_their_feature():
+    penalties = dict(CELL, feature="penalties_bitmask", runs=CELL["runs"][:2])
+    rows = summarize([CELL, penalties])
+    assert [r["feature"] for r in rows] == ["plain"] * 3 + ["penalties_bitmask"] * 2
+    assert table(rows)[-1].startswith("| 5 | 32 | penalties_bitmask | 108 | 4.90 | sync_grpc | 5.500 |")
+
+
 META = dict(date="2026-12-08T10:00:00", gpu="NVIDIA H100 80GB HBM3", commit="f9216f1", torch="2.13.0",
             command="python -m bench.decode_loop --out d.json", hidden=8192, vocab=128256, steps=200, warmup=10,
-            repeats=3, features="plain (temperature 0.8, top_k 50, top_p 0.9)",
+            repeats=3, features=decode_features.describe(["plain", "penalties_bitmask"]),
             skipped={"ordered_channel": "no ordered_session"}, stopped="at 470 s, before sync_grpc")
 
 
 def test_header_names_the_gpu_commit_command_skips_and_early_stop():
     text = "\n".join(header(META))
     for part in ("NVIDIA H100 80GB HBM3", "commit f9216f1", "`python -m bench.decode_loop --out d.json`",
-                 "Skipped ordered_channel: no ordered_session", "Stopped early: at 470 s"):
+                 "Skipped ordered_channel: no ordered_session", "Stopped early: at 470 s",
+                 "plain (T 0.8, top_k 50, top_p 0.9) at every step time", "penalties_bitmask (plain after",
+                 "at 5 ms only"):
         assert part in text
 
 
@@ -149,3 +180,46 @@ def test_forecast_uses_the_slowest_run_of_the_cell_so_far():
     assert forecast_s(200, 10, 5.0, []) == pytest.approx(210 * 5.0 / 1e3 + 1.0)
     runs = [dict(ms_per_step=5.2), dict(mode="x", error="e"), dict(ms_per_step=6.0)]
     assert forecast_s(200, 10, 5.0, runs) == pytest.approx(210 * 6.0 / 1e3 + 1.0)
+
+
+def test_penalties_bitmask_passes_its_lists_and_bitmask_registered_once_per_batch_size():
+    registered = []
+
+    class Client:
+        def register_cuda(self, name, tensor):
+            registered.append((name, tensor))
+
+    lists = decode_features.Lists(vocab=100, device="cpu", register_all=lambda register: register(Client()))
+    assert lists.params("plain", 3) == dict(temperature=0.8, top_k=50, top_p=0.9) and not registered
+    params = lists.params("penalties_bitmask", 3)
+    assert lists.params("penalties_bitmask", 3)["grammar_bitmask"] is params["grammar_bitmask"]
+    assert sorted(name for name, _ in registered) == [
+        "grammar_bitmask-3", "output_offsets-3", "output_token_ids-3", "prompt_offsets-3", "prompt_token_ids-3"]
+    assert all(params[name.rsplit("-", 1)[0]] is tensor for name, tensor in registered)
+    assert (params["repetition_penalty"], params["frequency_penalty"], params["presence_penalty"]) == (1.1, 0.2, 0.3)
+    assert params["prompt_token_ids"].shape == (3 * 256,) and params["output_token_ids"].shape == (3 * 1024,)
+    assert params["prompt_offsets"].tolist() == [0, 256, 512, 768]
+    assert params["output_offsets"].tolist() == [0, 1024, 2048, 3072]
+    for ids in (params["prompt_token_ids"], params["output_token_ids"]):
+        assert ids.dtype == torch.int64 and 0 <= ids.min() and ids.max() < 100
+    again = decode_features.processor_tensors(3, 100, "cpu")
+    assert all(torch.equal(again[name], params[name]) for name in again)  # seeded: every run alike
+
+
+def test_the_bitmask_allows_about_half_and_never_nothing_nor_past_the_vocabulary():
+    mask = decode_features.processor_tensors(8, 1000, "cpu")["grammar_bitmask"]
+    assert mask.dtype == torch.int32 and mask.shape == (8, 32)  # ceil(1000 / 32)
+    bits = (mask.to(torch.int64).unsqueeze(2) >> torch.arange(32)) & 1
+    allowed = bits.reshape(8, -1).bool()
+    assert not allowed[:, 1000:].any() and allowed[:, 0].all()
+    assert 0.4 < allowed[:, :1000].float().mean() < 0.6
+
+
+def test_the_kernels_take_the_feature_and_draw_only_allowed_tokens():
+    from logitserve import kernels
+
+    params = decode_features.Lists(500, "cpu", lambda register: None).params("penalties_bitmask", 4)
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(0)) * 3
+    tokens = kernels.sample(logits, **params, seed=torch.arange(4) + 1234, step=0)
+    words = params["grammar_bitmask"].to(torch.int64)[torch.arange(4), tokens // 32]
+    assert ((words >> (tokens % 32)) & 1).all()

@@ -8,9 +8,9 @@ read on the host after the mark (per-row sampling parameters in CUDA regions, wh
 reads on the host: before the mark they would be the caller's previous values) or answer from
 the device (logprobs, the kept set). Logits processors are taken with every tensor field in a CUDA
 region (a copy of host bytes to the device would wait for the session's stream, and with it for
-the caller's mark, holding the launch thread every caller shares): their checks run inside the
-launch, their flag is read once the step is done, and a broken rule is reported as the step's
-``failed`` event (INVALID_ARGUMENT; the session goes on). Its launch (:func:`_enqueue`, on the launch thread) is the in-place call's: the
+the caller's mark, holding the launch thread every caller shares): their checks run after the
+step's ``done`` on copies of the fields, their flag is read once the step is done, and a broken
+rule is reported as the step's ``failed`` event (INVALID_ARGUMENT; the session goes on). Its launch (:func:`_enqueue`, on the launch thread) is the in-place call's: the
 parameters staged in one copy, ``kernels.sample`` reading the logits in place, the outputs
 written into their regions; before it a wait for ``ready >= mark``, after it ``done = mark``, all
 on the session's stream, and nothing waits for the device.
@@ -28,9 +28,10 @@ import torch
 from logitserve import kernels
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..engine.staging import Staging
+from ..engine.staging import Staging, to_host
 from ..ops.sample import SampleCall, param_names
-from ..ops.sample_processors import launch_processed
+from ..ops.processor_checks import BulkChecks, Reads
+from ..ops.sample_processors import kernel_keywords
 from ..tensors import PB_DTYPES, DeviceTensor, HostTensor
 from .session import OrderedSession, PendingStep
 
@@ -158,27 +159,51 @@ async def _broken_rule(handle, call: SampleCall, broken: torch.Tensor) -> str | 
 
 def _enqueue(call: SampleCall, gpu, mark: int, handle) -> tuple[torch.cuda.Event, torch.Tensor | None]:
     """On the launch thread: the step's work on the session's stream; its completion event, and
-    with processor fields in CUDA regions the host flag of their checks (valid once it passed)."""
+    with processor fields in CUDA regions the host flag of their checks (valid once it passed).
+
+    Only the kernels go between the ready wait and ``done``: the parameters' copy goes before the
+    wait (it overlaps the caller's forward), and the processor fields' checks after ``done`` (the
+    kernels clamp any list, so the checks only report), on copies taken right after the wait: once
+    ``done`` is written the caller may change its lists for the next step."""
     broken = None
     with torch.cuda.stream(gpu.stream):
-        if call.processors is not None:  # the processors' launch, as a lone call's (its checks queued first)
-            gpu.wait_ready(mark)
-            _, _, broken = launch_processed(call, handle, param_names([call]))
-        else:
-            # The parameters' copy goes before the wait: it overlaps the caller's forward.
-            stage = Staging()
-            for column in call.params:
-                stage.add([column])
-            floats, ints = stage.to(handle.device)
-            params = dict(zip(param_names([call]), (*floats.unbind(1), *ints.unbind(1))))
-            gpu.wait_ready(mark)
-            tokens = kernels.sample(call.logits.torch(), **params, filter_order=call.filter_order,
-                                    backend=handle.backend)
-            call.put_outputs(tokens, params["seed"])
+        stage = Staging()
+        for column in call.params:
+            stage.add([column])
+        floats, ints = stage.to(handle.device)
+        params = dict(zip(param_names([call]), (*floats.unbind(1), *ints.unbind(1))))
+        gpu.wait_ready(mark)
+        processors = {}
+        if call.processors is not None:
+            snapshot = _Snapshot()
+            for value in call.processors.values():
+                if type(value) is DeviceTensor:
+                    snapshot(value)
+            processors = kernel_keywords(call.processors, handle.device, snapshot)
+        tokens = kernels.sample(call.logits.torch(), **params, filter_order=call.filter_order, backend=handle.backend,
+                                **processors)
+        call.put_outputs(tokens, params["seed"])
         gpu.write_done(mark)
+        if call.device_checks is not None:
+            broken = to_host(BulkChecks(call.device_checks.checks, snapshot).in_launch())
         done = torch.cuda.Event()
         done.record(gpu.stream)
     return done, broken
+
+
+class _Snapshot(Reads):
+    """The processor fields as the step's kernels read them: each one in a CUDA region copied once
+    (its first read, right after the ready wait), the kernels and the checks reading the copy."""
+
+    __slots__ = ()
+
+    def __call__(self, t):
+        if type(t) is not DeviceTensor:
+            return super().__call__(t)
+        copy = self._copies.get(t)
+        if copy is None:
+            copy = self._copies[t] = t.torch().clone()
+        return copy
 
 
 def ordered_answer(call: SampleCall) -> pb.SampleResponse:
