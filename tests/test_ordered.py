@@ -233,3 +233,28 @@ def test_a_call_ahead_of_the_gpu_takes_over_at_its_mark():
     assert ahead.regions.held == 1 and session.next_mark == 5
     assert [_enqueue_promised(session) for _ in range(3)] == [("first", 2, 1), ("first", 3, 2), ("ahead", 4, 0)]
     assert session.next_step() is None and first.regions.released == 1 and ahead.regions.released == 1
+
+
+def test_an_ordered_steps_checks_read_the_lists_as_its_kernels_did():
+    """The processor fields' checks run after the step's `done`, when the engine may already be
+    changing its lists for the next step: they read copies taken right after the ready wait."""
+    import torch
+
+    from logitserve.server.ops.processor_checks import BulkChecks
+    from logitserve.server.ops.sample_processors import kernel_keywords
+    from logitserve.server.ordered.sample import _Snapshot
+    from logitserve.server.tensors import DeviceTensor
+
+    ids = torch.tensor([3, 9, 4], dtype=torch.int64)  # CPU tensors stand in for the engine's CUDA regions
+    offsets = torch.tensor([0, 2, 3], dtype=torch.int64)
+    ids_field, offsets_field = DeviceTensor(ids, torch.int64, (3,)), DeviceTensor(offsets, torch.int64, (3,))
+    checks = BulkChecks()
+    checks.ragged("", "output_token_ids", "output_offsets", ids_field, offsets_field, vocab=8)
+    snapshot = _Snapshot()
+    launched = kernel_keywords({"output_token_ids": ids_field, "output_offsets": offsets_field}, ids.device, snapshot)
+    assert launched["output_token_ids"].data_ptr() != ids.data_ptr()  # the kernels read the copy
+    ids[1] = 2  # the engine's next step writes its list after `done`
+    broken = BulkChecks(checks.checks, snapshot)
+    assert bool(broken.in_launch())  # 9 >= vocab 8, as the kernels read it
+    assert "output_token_ids" in broken.error() and "got 9" in broken.error()
+    assert launched["output_token_ids"].tolist() == [3, 9, 4]
