@@ -40,6 +40,7 @@ class SessionTable:
         self.per_token = per_token
         self.wait_timeout_s = wait_timeout_s
         self._sessions: dict[int, OrderedSession] = {}
+        self._opening: dict[int, object] = {}  # ids being opened (their marks being allocated): their owners
         self._ids = itertools.count(1)
         self._streams = StreamPool(handle.device) if handle.device.type == "cuda" else None
         self._watcher: asyncio.Task | None = None
@@ -62,21 +63,22 @@ class SessionTable:
             raise ValueError(f"wait_timeout_s: {wait_timeout_s}, must be >= 0 (0: the server's {self.wait_timeout_s:g})")
         if max_steps_ahead > MAX_STEPS_AHEAD:
             raise ValueError(f"max_steps_ahead: {max_steps_ahead}, must be <= {MAX_STEPS_AHEAD} (0: {DEFAULT_STEPS_AHEAD})")
-        if len(self._sessions) >= self.max_sessions:
-            raise TooLarge(f"ordered sessions: {len(self._sessions)} open, this server's limit is {self.max_sessions} "
+        open_now = len(self._sessions) + len(self._opening)
+        if open_now >= self.max_sessions:
+            raise TooLarge(f"ordered sessions: {open_now} open, this server's limit is {self.max_sessions} "
                            f"(--max-ordered-sessions); end unused ones")
-        held = sum(1 for s in self._sessions.values() if s.owner == owner)
+        held = sum(1 for s in self._sessions.values() if s.owner == owner) + \
+            sum(1 for o in self._opening.values() if o == owner)
         if held >= self.per_token:
             raise TooLarge(f"ordered sessions: this token holds {held}, its share of this server's {self.max_sessions} "
                            f"(--max-ordered-sessions, --token-share)")
         session_id = next(self._ids)
-        # Reserved before the allocation's await, so that concurrent opens count it.
-        self._sessions[session_id] = None  # type: ignore[assignment]
+        # Counted before the allocation's await, so that concurrent opens see it.
+        self._opening[session_id] = owner
         try:
             gpu = await self.handle.run(SessionGpu, self.handle.device, self._streams)
-        except BaseException:
-            del self._sessions[session_id]
-            raise
+        finally:
+            del self._opening[session_id]
         timeout = min(wait_timeout_s, self.wait_timeout_s) if wait_timeout_s else self.wait_timeout_s
         session = OrderedSession(session_id, owner, gpu, timeout, max_steps_ahead or DEFAULT_STEPS_AHEAD)
         self._sessions[session_id] = session
@@ -99,7 +101,7 @@ class SessionTable:
     async def _watch(self) -> None:
         while True:
             now = time.monotonic()
-            for session in [s for s in self._sessions.values() if s is not None and s.ended is None]:
+            for session in [s for s in self._sessions.values() if s.ended is None]:
                 reason = session.poll(now)
                 if reason is not None:
                     self.end(session, reason)
@@ -108,7 +110,7 @@ class SessionTable:
             for session in list(self._ending):
                 if session.retire_all():
                     self._ending.discard(session)
-            if not self._ending and not any(s is not None and s.pending for s in self._sessions.values()):
+            if not self._ending and not any(s.pending for s in self._sessions.values()):
                 if not self._unfreed:
                     return
                 await self._free_unfreed()
@@ -137,7 +139,7 @@ class SessionTable:
         again when the last pending step is retired. A step enqueued between the check and the
         free holds the free (and the launch thread) until its mark comes: one forward for an
         engine that decodes, at most its session's wait limit for one that stalls."""
-        if not self._unfreed or any(s is not None and s.pending for s in self._sessions.values()):
+        if not self._unfreed or any(s.pending for s in self._sessions.values()):
             return
         unfreed, self._unfreed = self._unfreed, []
         try:
@@ -148,5 +150,5 @@ class SessionTable:
 
     def end_all(self, reason: str) -> None:
         """The server stops: end every session (their calls then end and close them)."""
-        for session in [s for s in self._sessions.values() if s is not None]:
+        for session in list(self._sessions.values()):
             self.end(session, reason)
