@@ -185,6 +185,12 @@ class OrderedSession:
     def _ended_reason(self) -> str:
         return self.ended.reason if self.ended is not None else "closed"
 
+    def failure(self, mark: int) -> pb.OrderedStepFailed | None:
+        """What the server reported of step ``mark`` after its call returned (None: nothing so
+        far). A logits processor field in a CUDA region that broke its rule is reported within
+        milliseconds of the step's end, so a step read at once may show it only later."""
+        return self._failed.get(mark)
+
     def check(self, mark: int) -> None:
         """``LogitServeError`` if step ``mark`` did not run as asked (after the device passed it)."""
         if mark in self._failed:
