@@ -190,6 +190,38 @@ def test_a_mark_that_never_comes_ends_the_session_and_other_calls_go_on(server):
         session.close()
 
 
+def test_a_stalled_engine_holds_no_other_callers_work(server):
+    """The engine's stream never reaches its ready mark (held by a wait on a word of its own,
+    the GPU's front end, no kernel running): the server's step waits, and another client's calls
+    are answered meanwhile, unlike behind an engine's long kernel (the test above: without MPS a
+    kernel of one process holds the other's work until it ends)."""
+    from cuda.bindings import driver
+
+    rows, vocab = 2, 4096
+    with Client(server.target, timeout=300) as client, Client(server.target, timeout=300) as other:
+        logits, tokens = _engine_buffers(client, rows, vocab)
+        other.sample(torch.randn(rows, vocab).numpy(), temperature=0.0)  # compiled before the clock starts
+        gate = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+        session = client.ordered_session(wait_timeout_s=2.0)
+        driver.cuStreamWaitValue64(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(gate.data_ptr()), 1,
+                                   driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        try:
+            step = session.sample(logits, out={"token_ids": tokens}, stream=stream, temperature=0.0)
+            times = []
+            for _ in range(5):
+                start = time.monotonic()
+                assert other.sample(torch.randn(rows, vocab).numpy(), temperature=0.0).valid.all()
+                times.append(time.monotonic() - start)
+            print(f"another client's calls while a step waits for its mark: {[round(t, 4) for t in times]} s")
+            assert session.ended is None and max(times) < 1.0  # answered long before the 2 s limit
+        finally:
+            with torch.cuda.stream(side):
+                gate.fill_(1)  # the engine's stream goes on: its mark comes, its step runs
+        step.result()
+        session.close()
+
+
 ENGINE = textwrap.dedent("""
     import sys, torch
     from logitserve.client import Client
