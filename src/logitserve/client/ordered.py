@@ -68,12 +68,16 @@ class OrderedSession:
         opened = first.opened
         self.id, self.device = opened.session_id, torch.device("cuda", opened.device_id)
         self.wait_timeout_s, self.max_steps_ahead = opened.wait_timeout_s, opened.max_steps_ahead
-        runtime, self._driver = _cuda_bindings()
-        handle = runtime.cudaIpcMemHandle_t()
-        handle.reserved = opened.marks_handle
-        with torch.cuda.device(self.device):
-            self._base = int(_check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess),
-                                    "cudaIpcOpenMemHandle"))
+        try:
+            runtime, self._driver = _cuda_bindings()
+            handle = runtime.cudaIpcMemHandle_t()
+            handle.reserved = opened.marks_handle
+            with torch.cuda.device(self.device):
+                self._base = int(_check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess),
+                                        "cudaIpcOpenMemHandle"))
+        except BaseException:
+            self._call.cancel()  # the session ends with its call: nothing of it is left on the server
+            raise
         self._words = self._base + opened.marks_offset
         self._next_mark = 1
         # The calls serving this session's marks: (first mark, the mark after its repetitions,
