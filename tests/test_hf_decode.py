@@ -211,8 +211,13 @@ def test_command_line(server, capsys):
 
 
 @pytest.mark.cuda
-def test_cuda_ipc_region_matches_generate():
-    """The model on the GPU, its logits in a CUDA IPC region the server reads in place."""
+@pytest.mark.parametrize("transport", ["cuda", "ordered"])
+def test_decoding_on_the_gpu_matches_generate(transport):
+    """The model on the GPU, its logits in a CUDA IPC region the server reads in place; with
+    ``ordered``, the draws ordered on the GPU and the tokens read by the next forward there."""
+    if transport == "ordered":
+        pytest.importorskip("cuda.bindings")
+        sys.path.insert(0, str(pathlib.Path(hf_decode.__file__).parent))  # hf_decode_ordered, beside it
     model = hf_decode.tiny_llama(vocab_size=256, seed=0).to("cuda")
     ids, mask = hf_decode.left_pad(PROMPTS, PAD, "cuda")
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=PAD,
@@ -220,24 +225,8 @@ def test_cuda_ipc_region_matches_generate():
     # A server process of its own: CUDA opens no IPC handle in the process that exported it.
     with ServerProcess("--warmup-dtypes", "none", device="cuda:0", backend="triton") as s, \
             Client(s.target, timeout=300) as client:
-        result = _decode(model, client, repetition_penalty=1.5)
-    assert result.transport == "cuda"
-    np.testing.assert_array_equal(result.token_ids, expected)
-
-
-@pytest.mark.cuda
-def test_ordered_calls_match_generate():
-    """--transport ordered: the draws ordered on the GPU, the tokens read by the next forward there."""
-    pytest.importorskip("cuda.bindings")
-    sys.path.insert(0, str(pathlib.Path(hf_decode.__file__).parent))  # hf_decode_ordered, beside it
-    model = hf_decode.tiny_llama(vocab_size=256, seed=0).to("cuda")
-    ids, mask = hf_decode.left_pad(PROMPTS, PAD, "cuda")
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=PAD,
-                              eos_token_id=None, repetition_penalty=1.5)[:, ids.shape[1]:].cpu().numpy()
-    with ServerProcess("--warmup-dtypes", "none", device="cuda:0", backend="triton") as s, \
-            Client(s.target, timeout=300) as client:
-        result = _decode(model, client, repetition_penalty=1.5, transport="ordered")
-    assert result.transport == "ordered"
+        result = _decode(model, client, repetition_penalty=1.5, transport=transport)
+    assert result.transport == transport
     np.testing.assert_array_equal(result.token_ids, expected)
 
 

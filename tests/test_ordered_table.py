@@ -102,6 +102,15 @@ async def _until(predicate, timeout_s=2.0):
         await asyncio.sleep(0.001)
 
 
+async def _run_steps(handle: Handle, session, marks: int) -> None:
+    """The device runs marks 1 .. ``marks`` in turn (two unfinished at a time: max_steps_ahead
+    2), the watcher retiring each and topping the session up."""
+    for mark in range(1, marks + 1):
+        handle.pass_step(session, mark)
+        await _until(lambda: len(handle.steps) >= min(mark + 2, marks))
+    await _until(lambda: not session.pending)
+
+
 def test_bounds_per_server_and_per_token():
     async def scenario():
         table = SessionTable(Handle(), max_sessions=3, per_token=2, wait_timeout_s=5)
@@ -129,10 +138,7 @@ def test_a_standing_call_is_topped_up_as_steps_finish_and_its_regions_go_at_the_
         await enqueue_sample(table, session, call, 1, repeat=5)
         call.regions.release()  # the handler lets go once answered
         await _until(lambda: len(handle.steps) == 2)  # max_steps_ahead: 2 unfinished
-        for mark in range(1, 6):
-            handle.pass_step(session, mark)
-            await _until(lambda: len(handle.steps) >= min(mark + 2, 5))
-        await _until(lambda: not session.pending)
+        await _run_steps(handle, session, 5)
         assert handle.steps == [(1, 10), (2, 11), (3, 12), (4, 13), (5, 14)]  # step + k
         assert call.regions.holds == 0 and session.next_mark == 6
         with pytest.raises(MarkEnqueued):
@@ -171,10 +177,7 @@ def test_a_call_ahead_returns_at_once_and_takes_over_at_its_mark(fast_watcher):
         await _until(lambda: len(handle.steps) == 2)
         await asyncio.wait_for(enqueue_sample(table, session, ahead, 4, repeat=2), 0.5)  # no room: promised
         ahead.regions.release()
-        for mark in range(1, 6):
-            handle.pass_step(session, mark)
-            await _until(lambda: len(handle.steps) >= min(mark + 2, 5))
-        await _until(lambda: not session.pending)
+        await _run_steps(handle, session, 5)
         assert handle.steps == [(1, 0), (2, 1), (3, 2), (4, 100), (5, 101)]
         assert first.regions.holds == 0 and ahead.regions.holds == 0 and session.next_mark == 6
 
