@@ -62,7 +62,7 @@ def start(path: str) -> None:
                 for tid, frame in frames.items():
                     if tid != me:
                         counts[(second, tid, _stack(frame))] += 1
-            if len(names) < len(frames):
+            if any(tid not in names for tid in frames):  # a thread started: named while it lives
                 names.update((t.ident, t.name) for t in threading.enumerate())
             if time.monotonic() - last_dump > DUMP_EVERY_S:
                 dump()

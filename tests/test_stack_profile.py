@@ -21,7 +21,7 @@ def test_a_busy_thread_is_found_where_it_spins(tmp_path):
         profile.start({str(out)!r})
 
         def spin_here():
-            end = time.monotonic() + 0.6
+            end = time.monotonic() + 1.5  # long enough to be sampled on a loaded machine
             while time.monotonic() < end:
                 pass
 
