@@ -28,7 +28,8 @@ import torch
 from logitserve import kernels
 from logitserve.v1 import logitserve_pb2 as pb
 
-from ..engine.staging import Staging, to_host
+from ..engine.staging import to_host
+from ..ops.resident import column_stage
 from ..ops.sample import SampleCall, param_names
 from ..ops.processor_checks import BulkChecks, Reads
 from ..ops.sample_processors import kernel_keywords
@@ -143,23 +144,23 @@ async def _enqueue_step(table, session: OrderedSession, call: SampleCall, mark: 
     except BaseException:
         call.regions.release()
         raise
-    broken_rule = None if broken is None else functools.partial(_broken_rule, table.handle, call, broken)
+    broken_rule = None if broken is None else functools.partial(_broken_rule, table.handle, *broken)
     session.add(PendingStep(mark, done, call.regions, broken_rule))
     table.watch()
 
 
-async def _broken_rule(handle, call: SampleCall, broken: torch.Tensor) -> str | None:
+async def _broken_rule(handle, flag: torch.Tensor, checks: BulkChecks) -> str | None:
     """Once the step is done: the message of a processor field in a CUDA region that broke its
-    rule (read from the fields as they are now: the engine may have changed them since), or None."""
-    if not broken.item():
+    rule, read from the copies the step's kernels and checks read, or None."""
+    if not flag.item():
         return None
-    found = await handle.run(call.device_checks.error)
-    return found or "a logits processor field in a CUDA region broke its rule (its values have changed since)"
+    return await handle.run(checks.error)
 
 
-def _enqueue(call: SampleCall, gpu, mark: int, handle) -> tuple[torch.cuda.Event, torch.Tensor | None]:
+def _enqueue(call: SampleCall, gpu, mark: int, handle) -> tuple[torch.cuda.Event, tuple | None]:
     """On the launch thread: the step's work on the session's stream; its completion event, and
-    with processor fields in CUDA regions the host flag of their checks (valid once it passed).
+    with processor fields in CUDA regions the host flag of their checks (valid once it passed)
+    with the checks over the copies they read.
 
     Only the kernels go between the ready wait and ``done``: the parameters' copy goes before the
     wait (it overlaps the caller's forward), and the processor fields' checks after ``done`` (the
@@ -167,10 +168,7 @@ def _enqueue(call: SampleCall, gpu, mark: int, handle) -> tuple[torch.cuda.Event
     ``done`` is written the caller may change its lists for the next step."""
     broken = None
     with torch.cuda.stream(gpu.stream):
-        stage = Staging()
-        for column in call.params:
-            stage.add([column])
-        floats, ints = stage.to(handle.device)
+        floats, ints = column_stage(*call.params)(call.rows).to(handle.device)
         params = dict(zip(param_names([call]), (*floats.unbind(1), *ints.unbind(1))))
         gpu.wait_ready(mark)
         processors = {}
@@ -185,7 +183,8 @@ def _enqueue(call: SampleCall, gpu, mark: int, handle) -> tuple[torch.cuda.Event
         call.put_outputs(tokens, params["seed"])
         gpu.write_done(mark)
         if call.device_checks is not None:
-            broken = to_host(BulkChecks(call.device_checks.checks, snapshot).in_launch())
+            checks = BulkChecks(call.device_checks.checks, snapshot)
+            broken = to_host(checks.in_launch()), checks
         done = torch.cuda.Event()
         done.record(gpu.stream)
     return done, broken

@@ -129,8 +129,7 @@ class OrderedSession:
 
     def next_step(self) -> tuple[object, int, int] | None:
         """The next mark to enqueue: ``(its source's call, the mark, its repetition k)``, or None."""
-        while self.sources and self.sources[0].end <= self.next_enqueue:
-            self.sources.popleft().let_go()
+        self._drop_enqueued_sources()
         if not self.sources:
             return None
         source = self.sources[0]
@@ -149,10 +148,14 @@ class OrderedSession:
             self.head_since = time.monotonic()
         self.pending.append(step)
         self.next_enqueue = step.mark + 1
-        while self.sources and self.sources[0].end <= self.next_enqueue:
-            self.sources.popleft().let_go()  # its last mark is enqueued: its steps hold its regions
+        self._drop_enqueued_sources()
         if len(self.pending) >= self.max_steps_ahead:
             self.room.clear()
+
+    def _drop_enqueued_sources(self) -> None:
+        """Let go of the sources whose last mark is enqueued: their steps hold their regions."""
+        while self.sources and self.sources[0].end <= self.next_enqueue:
+            self.sources.popleft().let_go()
 
     def poll(self, now: float) -> str | None:
         """Retire the finished steps (their leases released); the reason to end the session, if
@@ -169,10 +172,9 @@ class OrderedSession:
             if not finished:
                 break
             self.pending.popleft()
-            if head.broken_rule is not None:
-                asyncio.ensure_future(self._report_broken_rule(head))  # releases the leases after
-            else:
-                head.regions.release()
+            head.regions.release()
+            if head.broken_rule is not None:  # it reads the server's copies of the fields, not the regions
+                asyncio.ensure_future(self._report_broken_rule(head))
             self.head_since = now
             self.room.set()
         if self.pending and self.ended is None and now - self.head_since > self.wait_timeout_s:
@@ -189,8 +191,6 @@ class OrderedSession:
             message = await step.broken_rule()
         except Exception as exc:  # noqa: BLE001 - the report is best effort; the step is done
             message = f"its processor fields' checks could not be read: {exc!r}"
-        finally:
-            step.regions.release()
         if message is not None:
             self.events.put_nowait(pb.OrderedSessionEvent(failed=pb.OrderedStepFailed(mark=step.mark, code=3,
                                                                                      message=message)))
