@@ -69,9 +69,10 @@ def test_sample_batches_replayed_equal_eager_and_direct(handles, dtype, vocab, o
         from_graph = asyncio.run(graphed.run_batch(calls, wait))
         from_eager = asyncio.run(eager.run_batch(calls))
         for call, g, e in zip(calls, from_graph, from_eager):
-            assert g.token_ids == e.token_ids
+            np.testing.assert_array_equal(g.token_ids, e.token_ids)
             np.testing.assert_array_equal(g.token_ids, _direct(call))
-            assert g.seeds == e.seeds == call.seed
+            np.testing.assert_array_equal(g.seeds, e.seeds)
+            np.testing.assert_array_equal(g.seeds, call.seed)
     assert graphed.graphs.replays - replays == len(SAMPLE_BATCHES)
 
 
