@@ -10,13 +10,14 @@ decoding with stream-ordered calls through the same-host channel:
   keeps two steps in flight and stamps each step's completion on the host
   (``time.monotonic``, one clock for every process of the machine);
 - the *victim*: a light engine (its "forward" a ``torch.cuda._sleep`` of about ``--step-ms`` and a
-  fill of its logits, so that it takes little of the GPU from the survivor), killed with SIGKILL
-  while its steps are in flight.
+  fill of its logits, so that it takes little of the GPU from the survivor), whose session owns
+  its regions (``owned_regions``), killed with SIGKILL while its steps are in flight.
 
 Timeline: the survivor alone, the victim starting, both decoding, the kill; then this process
 opens a session in a loop until the server has let the victim's go (``--max-ordered-sessions 2``:
 until then it is refused), which is the release time. The server's device memory
-(``nvidia-smi``'s figure for its process) is read alone, with both, and after the release. The
+(``nvidia-smi``'s figure for its process) is read alone, with both, after the release and after
+the survivor's session closed too (the marks of closed sessions are freed only then). The
 report gives the survivor's step times (median, p99, max) in each window: a kill that stalled
 the server's other work would show in the window right after it.
 """
@@ -91,9 +92,10 @@ def victim(target: str, batch: int, step_ms: float) -> None:
     tokens = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
     generator = torch.Generator(device=DEVICE).manual_seed(5)
     stream = torch.cuda.Stream(DEVICE)
-    with _engine_client(target) as client, client.ordered_session() as session:
+    with _engine_client(target) as client:
         client.register_cuda("victim-logits", logits)
         client.register_cuda("victim-tokens", tokens)
+        session = client.ordered_session(owned_regions=("victim-logits", "victim-tokens"))  # they go with it
         with torch.cuda.stream(stream):
             for n in range(1_000_000):
                 torch.cuda._sleep(cycles)

@@ -225,10 +225,11 @@ def test_a_stalled_engine_holds_no_other_callers_work(server):
 ENGINE = textwrap.dedent("""
     import sys, torch
     from logitserve.client import Client
-    client = Client(sys.argv[1], timeout=300)
+    client = Client(sys.argv[1], timeout=300, region_scope="killed")
     logits = torch.zeros(2, 4096, device="cuda:0"); tokens = torch.zeros(2, dtype=torch.int64, device="cuda:0")
     client.register_cuda("logits", logits); client.register_cuda("tokens", tokens)
-    session = client.ordered_session()
+    client.register_cuda("kept", torch.zeros(8, device="cuda:0"))
+    session = client.ordered_session(owned_regions=("logits", "tokens"))
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(2_000_000_000)  # the mark comes long after this process is killed
@@ -238,7 +239,7 @@ ENGINE = textwrap.dedent("""
 """)
 
 
-def test_a_killed_engine_frees_its_session_at_once():
+def test_a_killed_engine_frees_its_session_and_the_regions_it_owned_at_once():
     pytest.importorskip("cuda.bindings")
     with ServerProcess("--warmup-dtypes", "none", "--max-ordered-sessions", "1", "--ordered-wait-s", "60",
                        device=DEVICE, backend="triton", start_timeout=900) as server:
@@ -261,6 +262,9 @@ def test_a_killed_engine_frees_its_session_at_once():
                         time.sleep(0.05)
                 print(f"a killed engine's session freed after {time.monotonic() - killed:.3f} s")
                 session.close()
+                # The regions the session owned went with it; the engine's other region stays.
+                left = [r.server_name for r in client.shared_memory_status(all_of_caller=True)]
+                assert left == ["killed.kept"], left
         finally:
             engine.kill()
             engine.wait(30)

@@ -182,3 +182,43 @@ def test_a_call_ahead_returns_at_once_and_takes_over_at_its_mark(fast_watcher):
         assert first.regions.holds == 0 and ahead.regions.holds == 0 and session.next_mark == 6
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_the_regions_a_session_owns_are_unregistered_when_its_call_ends(monkeypatch, fast_watcher):
+    """A real registry and system regions: the session's call ending (as a dead caller's does)
+    unregisters what it owns, not the caller's other regions nor a name registered anew; an
+    unknown name opens nothing."""
+    from multiprocessing import shared_memory
+
+    from logitserve.server.api.ordered import session_events
+    from logitserve.server.regions import RegionNotFound, RegionRegistry
+
+    monkeypatch.setattr(table_module, "available", lambda: None)
+    objects = [shared_memory.SharedMemory(create=True, size=64) for _ in range(3)]
+    registry = RegionRegistry()
+    for name, shm in zip(("logits", "tokens", "other"), objects):
+        registry.register_system(name, shm.name, 0, 64, owner="a")
+    registry.register_system("logits", objects[0].name, 0, 64, owner="b")  # another caller's, same name
+
+    async def scenario():
+        table = SessionTable(Handle(), 4, 4, wait_timeout_s=5)
+        refused = session_events(table, registry, pb.OrderedSessionRequest(owned_regions=["logits", "nope"]), "a")
+        with pytest.raises(RegionNotFound, match=r"owned_regions\[1\]: no region 'nope'"):
+            await refused.__anext__()
+        assert not table._sessions
+        events = session_events(table, registry, pb.OrderedSessionRequest(owned_regions=["logits", "tokens"]), "a")
+        assert (await events.__anext__()).HasField("opened")
+        registry.unregister("tokens", "a")
+        registry.register_system("tokens", objects[1].name, 0, 32, owner="a")  # another region now
+        await events.aclose()  # the call ends: its caller left
+        names = lambda owner: [info.name for info in registry.status(owner=owner)]  # noqa: E731
+        assert names("a") == ["other", "tokens"] and names("b") == ["logits"]
+        await _until(lambda: not table._sessions)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 10))
+    finally:
+        registry.close()
+        for shm in objects:
+            shm.close()
+            shm.unlink()

@@ -123,13 +123,17 @@ class Client(DeviceRouting, OperatorMethods):
         finally:
             call.cancel()
 
-    def ordered_session(self, *, wait_timeout_s: float = 0.0, max_steps_ahead: int = 0) -> OrderedSession:
+    def ordered_session(self, *, wait_timeout_s: float = 0.0, max_steps_ahead: int = 0,
+                        owned_regions=()) -> OrderedSession:
         """A stream-ordered session (:mod:`.ordered`): Sample calls ordered on the GPU, not on the
         host. ``wait_timeout_s``: how long a step may wait on the GPU for this client's ready
         mark before the server ends the session (0: the server's ``--ordered-wait-s``);
-        ``max_steps_ahead``: steps the server holds enqueued for it (0: its default, 8). A
-        context manager; close it to end the session."""
-        return OrderedSession(self, wait_timeout_s, max_steps_ahead)
+        ``max_steps_ahead``: steps the server holds enqueued for it (0: its default, 8).
+        ``owned_regions``: names of regions registered through this client that the server
+        unregisters when the session ends, however it ends (this process killed included), so
+        that their memory is not held mapped by the server after the engine is gone. A context
+        manager; close it to end the session."""
+        return OrderedSession(self, wait_timeout_s, max_steps_ahead, owned_regions)
 
     def close(self) -> None:
         """Unregister the regions registered through this client (best effort: never raises),

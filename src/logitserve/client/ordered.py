@@ -53,14 +53,17 @@ def _check(result, what: str):
 class OrderedSession:
     """A stream-ordered session of ``client`` (made by ``Client.ordered_session``)."""
 
-    def __init__(self, client, wait_timeout_s: float = 0.0, max_steps_ahead: int = 0):
+    def __init__(self, client, wait_timeout_s: float = 0.0, max_steps_ahead: int = 0, owned_regions=()):
         import torch
 
         self._client = client
+        owned = [client._regions.server_name(name) for name in owned_regions]
+        registered = client._regions.registrations()
+        self._owned = {name: registered[name] for name in owned if name in registered}  # with their serials
         method = client._channel.unary_stream(PATH, request_serializer=pb.OrderedSessionRequest.SerializeToString,
                                               response_deserializer=pb.OrderedSessionEvent.FromString)
-        self._call = method(pb.OrderedSessionRequest(wait_timeout_s=wait_timeout_s, max_steps_ahead=max_steps_ahead),
-                            metadata=client._metadata)
+        self._call = method(pb.OrderedSessionRequest(wait_timeout_s=wait_timeout_s, max_steps_ahead=max_steps_ahead,
+                                                     owned_regions=owned), metadata=client._metadata)
         try:
             first = next(self._call)
         except grpc.RpcError as exc:
@@ -228,6 +231,7 @@ class OrderedSession:
         runtime.cudaIpcCloseMemHandle(self._base)
         self._call.cancel()
         self._reader.join()
+        self._client._regions.drop(self._owned)  # the server unregistered them as the call ended
 
     def __enter__(self) -> "OrderedSession":
         return self

@@ -638,12 +638,14 @@ class CloseChannelResponse(_message.Message):
     def __init__(self, closed: bool = ...) -> None: ...
 
 class OrderedSessionRequest(_message.Message):
-    __slots__ = ("wait_timeout_s", "max_steps_ahead")
+    __slots__ = ("wait_timeout_s", "max_steps_ahead", "owned_regions")
     WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    OWNED_REGIONS_FIELD_NUMBER: _ClassVar[int]
     wait_timeout_s: float
     max_steps_ahead: int
-    def __init__(self, wait_timeout_s: _Optional[float] = ..., max_steps_ahead: _Optional[int] = ...) -> None: ...
+    owned_regions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, wait_timeout_s: _Optional[float] = ..., max_steps_ahead: _Optional[int] = ..., owned_regions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OrderedSessionOpened(_message.Message):
     __slots__ = ("session_id", "device_id", "marks_handle", "marks_offset", "wait_timeout_s", "max_steps_ahead")

@@ -17,12 +17,17 @@ from ..errors import Unsupported
 from ..ordered import SessionTable, check_orderable, enqueue_sample, ordered_answer
 
 
-async def session_events(table: SessionTable, request: pb.OrderedSessionRequest, owner):
+async def session_events(table: SessionTable, registry, request: pb.OrderedSessionRequest, owner):
     """The OrderedSession call's answers: ``opened``, then the session's events until it ends
-    (the call then ends OK) or the caller leaves."""
+    (the call then ends OK) or the caller leaves. The regions it owns (``owned_regions``) are
+    unregistered when it ends: a leased one stays mapped until the steps holding it are done."""
     why = table.unavailable()
     if why is not None:
         raise Unsupported(f"OrderedSession: {why}")
+    if len(request.owned_regions) > registry.max_regions:
+        raise ValueError(f"owned_regions: {len(request.owned_regions)} names, more than the regions this server "
+                         f"maps ({registry.max_regions}, --max-regions)")
+    owned = registry.regions_of(owner, request.owned_regions, "owned_regions")
     session = await table.open(owner, request.wait_timeout_s, request.max_steps_ahead)
     try:
         yield session.opened_event()
@@ -32,6 +37,7 @@ async def session_events(table: SessionTable, request: pb.OrderedSessionRequest,
             if event.HasField("ended"):
                 return
     finally:
+        registry.unregister_these(owner, owned)
         # Not awaited here: a cancelled call's handler must not wait for the stream to drain.
         asyncio.ensure_future(table.close(session, "its OrderedSession call ended"))
 

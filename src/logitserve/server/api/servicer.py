@@ -216,7 +216,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         return self._service.channels.open(authorization_of(context.invocation_metadata() or ()))
 
     async def OrderedSession(self, request, context):
-        async for event in session_events(self._service.ordered, request, caller(context)):
+        async for event in session_events(self._service.ordered, self._service.regions, request, caller(context)):
             yield event
 
     async def CloseChannel(self, request, context):

@@ -237,6 +237,26 @@ class RegionRegistry:
             region.close()
         return sorted(r.name for r in chosen)
 
+    def regions_of(self, owner, names: Sequence[str], field: str) -> list[Region]:
+        """The regions ``names`` of ``owner`` as registered now (each once), to unregister later
+        with :meth:`unregister_these`; :class:`RegionNotFound` naming ``field[i]`` for a name
+        ``owner`` has not registered."""
+        with self._lock:
+            found: dict[str, Region] = {}
+            for i, name in enumerate(names):
+                region = self._regions.get((owner, name))
+                if region is None:
+                    raise RegionNotFound(f"{field}[{i}]: no region {shown(name)} registered (by this caller)")
+                found[name] = region
+        return list(found.values())
+
+    def unregister_these(self, owner, regions: Sequence[Region]) -> list[str]:
+        """Unregister each of ``regions`` still registered under its name (a name unregistered
+        and registered again since is another region, and stays); the names unregistered."""
+        with self._lock:
+            current = [r for r in regions if self._regions.get((owner, r.name)) is r]
+        return [name for region in current for name in self.unregister(region.name, owner)]
+
     def close(self) -> None:
         """Unregister every owner's regions (leased ones stay mapped until released)."""
         for owner in {o for o, _ in list(self._regions)}:
