@@ -48,9 +48,11 @@ def decode_ordered(model, client: Client, prompts: list[list[int]], options, hf_
     seeds = [first + i for i in range(rows)] if sampled else [0] * rows
     stream = torch.cuda.current_stream(device)
     with contextlib.ExitStack() as stack:
+        registered = []  # owned by the session: the server unregisters them as it ends, even if this process dies
+
         def shared(name: str, tensor: torch.Tensor) -> torch.Tensor:
             client.register_cuda(f"hf_decode.{name}", tensor)
-            stack.callback(client.unregister, f"hf_decode.{name}")
+            registered.append(f"hf_decode.{name}")
             return tensor
 
         logits = shared("logits", torch.empty(rows, vocab, dtype=out.logits.dtype, device=device))
@@ -60,7 +62,7 @@ def decode_ordered(model, client: Client, prompts: list[list[int]], options, hf_
         output_offsets = shared("output_offsets", torch.zeros(rows + 1, dtype=torch.int64, device=device))
         row_starts = torch.arange(rows + 1, dtype=torch.int64, device=device)
         history = torch.empty(steps, rows, dtype=torch.int64, device=device)
-        session = stack.enter_context(client.ordered_session())
+        session = stack.enter_context(client.ordered_session(owned_regions=registered))
         t_calls = 0.0
         for step in range(steps):
             logits.copy_(out.logits[:, -1, :])
