@@ -15,8 +15,9 @@ for step in ${steps[*]}; do
     tests)  # The compiled backend and the full-size CUDA tests. The interpreter and torch paths are
       # CI's (triton 3.9 here): triton 3.6's interpreter on that machine trips over NumPy 2 in
       # the sampling kernels (test_backend's interpreted launches too), and grpcio-tools (the proto
-      # freshness test) is not installed there.
-      python3 -m pytest tests -q -n 12 -p no:cacheprovider -k "(triton or cuda) and not interpreted" --ignore tests/test_protos_generated.py \
+      # freshness test) is not installed there. --dist loadgroup: the xdist_group marks hold (tests that time
+      # one client against another's stall run in turn); no pytest-benchmark: its teardown under xdist hung a run.
+      python3 -m pytest tests -q -n 12 --dist loadgroup -p no:cacheprovider -p no:benchmark -k "(triton or cuda) and not interpreted" --ignore tests/test_protos_generated.py \
         2>&1 | tee "$out/tests.log" | tail -25 ;;
     kernels)
       python3 -m bench.kernels ${BENCH_KERNELS_ARGS:-} --out "$out/kernels.md" 2>&1 | tee "$out/kernels.log" | tail -80 ;;

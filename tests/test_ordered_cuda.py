@@ -23,7 +23,9 @@ from logitserve import kernels
 from logitserve.client import Client, LogitServeError
 from logitserve.server.process import ServerProcess
 
-pytestmark = pytest.mark.cuda
+# One worker runs them in turn (scripts/gpu_check.sh: --dist loadgroup): each times another
+# client's calls against a stall of its own, which a long kernel of another test would hold.
+pytestmark = [pytest.mark.cuda, pytest.mark.xdist_group("ordered_cuda")]
 
 DEVICE = "cuda:0"
 SLOW_FORWARD_CYCLES = 20_000_000  # ~10 ms of torch.cuda._sleep on an H100
@@ -175,6 +177,9 @@ def test_a_mark_that_never_comes_ends_the_session_and_other_calls_go_on(server):
         session = client.ordered_session(wait_timeout_s=0.5)
         assert session.wait_timeout_s == 0.5
         with torch.cuda.stream(stream):
+            # A step first, so that the kernels are compiled: a first step's enqueue may take
+            # longer than the stall below, and then find its ready mark already written.
+            session.sample(logits, out={"token_ids": tokens}, stream=stream, temperature=0.0).result()
             torch.cuda._sleep(SLOW_FORWARD_CYCLES * 300)  # ~3 s before the ready mark: past the limit
             step = session.sample(logits, out={"token_ids": tokens}, stream=stream, temperature=0.0)
         start = time.monotonic()
@@ -184,7 +189,7 @@ def test_a_mark_that_never_comes_ends_the_session_and_other_calls_go_on(server):
         with pytest.raises(LogitServeError) as caught:
             step.result()
         assert caught.value.code.name == "FAILED_PRECONDITION" and "wait_timeout_s" in caught.value.details
-        assert session.ended.first_broken_mark == 1
+        assert session.ended.first_broken_mark == 2
         with pytest.raises(LogitServeError, match="ended"):
             session.sample(logits, out={"token_ids": tokens}, stream=stream)
         session.close()
