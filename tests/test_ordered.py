@@ -258,3 +258,29 @@ def test_an_ordered_steps_checks_read_the_lists_as_its_kernels_did():
     assert bool(broken.in_launch())  # 9 >= vocab 8, as the kernels read it
     assert "output_token_ids" in broken.error() and "got 9" in broken.error()
     assert launched["output_token_ids"].tolist() == [3, 9, 4]
+
+
+def test_an_ordered_step_passes_a_parameter_every_row_shares_as_a_scalar():
+    """As an engine's own call would: the kernels pick their launches from scalars (a per-row
+    top_k costs the gather a second launch), and the draw is the same either way."""
+    import torch
+
+    from logitserve.server.ops.limits import Limits
+    from logitserve.server.ops.sample import SampleCall
+    from logitserve.server.ordered.sample import kernel_params
+
+    def rows(dtype, values):
+        return pb.Tensor(dtype=dtype, shape=[len(values)], data=np.asarray(values, dtype=np.float32 if dtype ==
+                                                                           pb.DTYPE_FLOAT32 else np.int64).tobytes())
+
+    msg = pb.SampleRequest(logits=_logits(rows=3), temperature_rows=rows(pb.DTYPE_FLOAT32, [0.7, 0.7, 0.9]),
+                           top_k_rows=rows(pb.DTYPE_INT64, [50, 50, 50]), top_p=0.9, seed_rows=rows(
+                               pb.DTYPE_INT64, [5, 6, 7]), step=4)
+    call = SampleCall.from_pb(msg, Limits(max_rows=8, max_vocab=64))
+    floats, ints = (t.torch() for t in call.params)
+    params = kernel_params(call, floats, ints)
+    assert torch.equal(params["temperature"], torch.tensor([0.7, 0.7, 0.9]))  # differs by row: the column
+    assert torch.equal(params["seed"], torch.tensor([5, 6, 7]))
+    assert params["top_k"] == 50 and type(params["top_k"]) is int  # one value in every row: a scalar
+    assert params["top_p"] == np.float32(0.9) and type(params["top_p"]) is float  # float32-rounded, as the column
+    assert (params["step"], params["min_p"]) == (4, 0.0)

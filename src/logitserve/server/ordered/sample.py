@@ -169,7 +169,7 @@ def _enqueue(call: SampleCall, gpu, mark: int, handle) -> tuple[torch.cuda.Event
     broken = None
     with torch.cuda.stream(gpu.stream):
         floats, ints = column_stage(*call.params)(call.rows).to(handle.device)
-        params = dict(zip(param_names([call]), (*floats.unbind(1), *ints.unbind(1))))
+        params = kernel_params(call, floats, ints)
         gpu.wait_ready(mark)
         processors = {}
         if call.processors is not None:
@@ -188,6 +188,25 @@ def _enqueue(call: SampleCall, gpu, mark: int, handle) -> tuple[torch.cuda.Event
         done = torch.cuda.Event()
         done.record(gpu.stream)
     return done, broken
+
+
+def kernel_params(call: SampleCall, floats: torch.Tensor, ints: torch.Tensor) -> dict:
+    """The kernels' sampling parameters: one every row shares as a Python scalar, as an engine's
+    own call passes it (the launches are picked from scalars: a per-row top_k, say, costs the
+    gather a second launch, which sat between the ready wait and ``done``), else the row's
+    staged column (``floats``, ``ints``: the call's ``params`` on the device). The scalar is read
+    from the packed host column, float32-rounded as the column is, so both draw alike."""
+    host_floats, host_ints = (np.frombuffer(t.data, dtype=_NUMPY[t.dtype]).reshape(t.shape)
+                              for t in call.params)
+    params = {}
+    for name, host, column, kind in zip(param_names([call]), (*host_floats.T, *host_ints.T),
+                                        (*floats.unbind(1), *ints.unbind(1)),
+                                        (float,) * host_floats.shape[1] + (int,) * host_ints.shape[1]):
+        params[name] = kind(host[0]) if (host == host[0]).all() else column
+    return params
+
+
+_NUMPY = {torch.float32: np.float32, torch.int64: np.int64}
 
 
 class _Snapshot(Reads):
