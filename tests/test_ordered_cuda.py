@@ -160,6 +160,39 @@ def test_penalties_and_a_grammar_mask_in_cuda_regions_are_ordered_too(server):
         assert (history >= vocab // 2).all()  # the grammar's half only
 
 
+def test_draws_by_sequence_ids_are_ordered_and_draw_what_a_synchronous_call_draws(server):
+    """The same sequences twice (other ids, the same specs and seeds): one set drawn by ordered
+    calls after slow forwards, the other by synchronous calls on the same logits afterwards; with
+    penalties over each sequence's own output, every step's tokens equal, and the outputs too."""
+    rows, vocab, steps = 4, 32000, 8
+    spec = dict(prompt_token_ids=list(range(5, 40)), repetition_penalty=1.3, frequency_penalty=0.4,
+                temperature=0.9, top_k=40)
+    with Client(server.target, timeout=300) as client:
+        logits, tokens = _engine_buffers(client, rows, vocab)
+        ordered_ids, sync_ids = list(range(500, 500 + rows)), list(range(600, 600 + rows))
+        for ids in (ordered_ids, sync_ids):
+            client.open_sequences([dict(id=i, seed=77 + row, **spec) for row, i in enumerate(ids)])
+        logits_seen = torch.empty(steps, rows, vocab, device=DEVICE)
+        history = torch.full((steps, rows), -9, dtype=torch.int64, device=DEVICE)
+        stream = torch.cuda.Stream()
+        generator = torch.Generator(device=DEVICE).manual_seed(13)
+        with client.ordered_session() as session, torch.cuda.stream(stream):
+            for n in range(steps):
+                torch.cuda._sleep(SLOW_FORWARD_CYCLES // 4)
+                torch.randn(rows, vocab, generator=generator, out=logits, device=DEVICE)
+                logits[:, 5:40].add_(2.0)  # the prompt's tokens likely: the penalties matter
+                logits_seen[n].copy_(logits)
+                session.sample(logits, out={"token_ids": tokens}, stream=stream, sequence_ids=ordered_ids)
+                history[n].copy_(tokens)
+            stream.synchronize()
+        expected = [client.sample(logits_seen[n].cpu().numpy(), sequence_ids=sync_ids).token_ids for n in range(steps)]
+        assert history.cpu().tolist() == [list(t) for t in expected]
+        with pytest.raises(LogitServeError, match="ordered: not with sequence_steps"):
+            with client.ordered_session() as again:
+                again.sample(logits, out={"token_ids": tokens}, sequence_ids=ordered_ids, sequence_steps=[steps] * rows)
+        client.close_sequences(ordered_ids + sync_ids)
+
+
 def test_processor_fields_as_bytes_are_refused_for_ordered_calls(server):
     with Client(server.target, timeout=300) as client:
         logits, tokens = _engine_buffers(client, 2, 256)

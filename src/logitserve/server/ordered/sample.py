@@ -6,7 +6,9 @@ messages), with what ordering needs on top (:func:`check_orderable`): its logits
 CUDA regions on this device, its token ids among the outputs, and nothing the server would have to
 read on the host after the mark (per-row sampling parameters in CUDA regions, which the server
 reads on the host: before the mark they would be the caller's previous values) or answer from
-the device (logprobs, the kept set). Logits processors are taken with every tensor field in a CUDA
+the device (logprobs, the kept set). A draw by sequence ids is taken (:func:`_enqueue_sequence_step`):
+its rows are held from its enqueue until it is done, when its tokens are counted on the host, and
+a session's next step follows only a done one (its rows' outputs and steps are the host's count). Logits processors are taken with every tensor field in a CUDA
 region (a copy of host bytes to the device would wait for the session's stream, and with it for
 the caller's mark, holding the launch thread every caller shares): their checks run after the
 step's ``done`` on copies of the fields, their flag is read once the step is done, and a broken
@@ -40,6 +42,13 @@ from .session import OrderedSession, PendingStep
 def check_orderable(call: SampleCall, device: torch.device, path: str = "") -> None:
     """``ValueError`` naming the field and the rule unless ``call`` can be ordered on the GPU."""
     field = f"{path}ordered"
+    refused = [name for name, on in (("sequence_steps", call.sequences is not None and call.sequences.steps is not None),
+                                     ("logprobs", call.logprobs is not None), ("return_kept", call.return_kept),
+                                     ("per-row parameters in CUDA regions", call.device_rows is not None)) if on]
+    if refused:
+        raise ValueError(f"{field}: not with {', '.join(refused)} (an ordered call runs only what needs nothing "
+                         f"read or answered by the host after its ready mark; a retry is its mark's: one enqueued "
+                         f"already is refused as such)")
     logits = call.logits
     if type(logits) is not DeviceTensor or logits.tensor.device != device:
         raise ValueError(f"{path}logits: an ordered call's logits must be in a CUDA region on the server's device "
@@ -51,17 +60,11 @@ def check_orderable(call: SampleCall, device: torch.device, path: str = "") -> N
         if call.outputs.direct(name, device) is None:
             raise ValueError(f"{path}output_regions[{name}]: an ordered call's outputs must be CUDA regions on the "
                              f"server's device ({device})")
-    refused = [name for name, on in (("sequence_ids", call.sequences is not None),
-                                     ("logprobs", call.logprobs is not None), ("return_kept", call.return_kept),
-                                     ("per-row parameters in CUDA regions", call.device_rows is not None)) if on]
     host_fields = [name for name, value in (call.processors or {}).items() if isinstance(value, HostTensor)]
     if host_fields:
         raise ValueError(f"{path}{host_fields[0]}: an ordered call's logits processor fields must be CUDA regions "
                          f"(or scalars): the launch thread cannot copy host bytes to the device without waiting for "
                          f"the session's stream, which waits for the caller's mark")
-    if refused:
-        raise ValueError(f"{field}: not with {', '.join(refused)} (an ordered call runs only what needs nothing "
-                         f"read or answered by the host after its ready mark)")
 
 
 async def enqueue_sample(table, session: OrderedSession, call: SampleCall, mark: int, repeat: int = 1,
@@ -78,6 +81,8 @@ async def enqueue_sample(table, session: OrderedSession, call: SampleCall, mark:
     released once the device is done with it), as its mark is on the GPU by then. A call that
     fails before its first mark is enqueued changes nothing of the session."""
     await call.checked()  # processor fields as bytes or in system regions, off the loop (as the batcher does)
+    if call.sequences is not None:  # its answer's seeds, before any step of it is enqueued
+        call.seed = [seq.params.seed for seq in call.sequences.sequences]
     field = f"{path}ordered.mark"
     async with session.busy:
         session.check_mark(mark, field)
@@ -87,16 +92,26 @@ async def enqueue_sample(table, session: OrderedSession, call: SampleCall, mark:
             # marks for the steps before are what makes room.
             session.promise(call, mark, repeat, enqueued=False)
         else:
-            await session.wait_for_room()
+            await session.wait_for_room(room_for(session, call))
             session.check_mark(mark, field)
             await asyncio.shield(asyncio.ensure_future(_enqueue_step(table, session, call, mark)))
             session.promise(call, mark, repeat)
     fill(table, session)
 
 
+def room_for(session: OrderedSession, call: SampleCall) -> int:
+    """How many unfinished steps ``call``'s next step may follow: a draw by sequence ids none (its
+    rows' outputs and steps are counted on the host once the step before is done), else the
+    session's ``max_steps_ahead``."""
+    return 1 if call.sequences is not None else session.max_steps_ahead
+
+
 async def _enqueue_next(table, session: OrderedSession, field: str) -> bool:
     """Wait for room and enqueue the session's next promised mark; False when none is promised."""
-    await session.wait_for_room()
+    found = session.next_step()
+    if found is None:
+        return False
+    await session.wait_for_room(room_for(session, found[0]))
     session.check_mark(session.next_enqueue, field)
     found = session.next_step()
     if found is None:
@@ -110,14 +125,15 @@ def fill(table, session: OrderedSession) -> None:
     """Top up the session's promised marks while it has room, in a task of its own (one at a
     time); the watcher calls it again as steps finish."""
     if session.filling or session.ended is not None or not session.sources or len(session.pending) >= \
-            session.max_steps_ahead:
+            room_for(session, session.sources[0].call):
         return
     session.filling = True
 
     async def top_up() -> None:
         try:
             async with session.busy:
-                while session.ended is None and len(session.pending) < session.max_steps_ahead:
+                while (session.ended is None and session.sources
+                       and len(session.pending) < room_for(session, session.sources[0].call)):
                     if not await _enqueue_next(table, session, "ordered.mark"):
                         break
         except Exception as exc:  # noqa: BLE001 - the session cannot keep its promised marks: it ends
@@ -138,6 +154,8 @@ def repetition(call: SampleCall, k: int) -> SampleCall:
 
 
 async def _enqueue_step(table, session: OrderedSession, call: SampleCall, mark: int) -> None:
+    if call.sequences is not None:
+        return await _enqueue_sequence_step(table, session, call, mark)
     call.regions.hold()  # released by the session once the step's event has passed
     try:
         done, broken = await table.handle.enqueue(_enqueue, call, session.gpu, mark, table.handle)
@@ -147,6 +165,49 @@ async def _enqueue_step(table, session: OrderedSession, call: SampleCall, mark: 
     broken_rule = None if broken is None else functools.partial(_broken_rule, table.handle, *broken)
     session.add(PendingStep(mark, done, call.regions, broken_rule))
     table.watch()
+
+
+async def _enqueue_sequence_step(table, session: OrderedSession, call: SampleCall, mark: int) -> None:
+    """A draw by sequence ids as step ``mark``: the rows' state read and held under the sequence
+    table's launch lock (no other call draws them until this step is done), the step enqueued;
+    once it is done the tokens are counted on the host (:meth:`SequenceRows.count_ordered`). The
+    session holds no step before it (:func:`room_for`): its state is the one the last step left."""
+    rows = call.sequences
+    async with rows.table.launch_lock:
+        state_rows = rows.read_ordered(call, f"ordered session {session.id}, mark {mark}")
+        call.regions.hold()  # released by the session once the step's event has passed
+        try:
+            done, tokens = await table.handle.enqueue(_enqueue_sequences, call, session.gpu, mark, table.handle,
+                                                      state_rows)
+        except BaseException:
+            call.regions.release()
+            rows.count_ordered(call, None)
+            raise
+
+    def retired(ran: bool) -> None:
+        rows.count_ordered(call, tokens.tolist() if ran else None)
+
+    session.add(PendingStep(mark, done, call.regions, retired=retired))
+    table.watch()
+
+
+def _enqueue_sequences(call: SampleCall, gpu, mark: int, handle, state_rows) -> tuple[torch.cuda.Event, torch.Tensor]:
+    """On the launch thread: a draw by sequence ids on the session's stream, as the graph of a
+    synchronous one launches it (sequences/lists.py: the list table, the draw, the outputs, each
+    token appended to its sequence's output), behind the ready wait; the tokens copied to the
+    host before ``done``. Its completion event, and the tokens' host copy (read once it passed)."""
+    launch = call.sequences.launch_ordered(call, handle, param_names([call]), state_rows)
+    gpu.stream.wait_stream(torch.cuda.current_stream(handle.device))  # an output grown there
+    with torch.cuda.stream(gpu.stream):
+        staged = launch.stage_for(call.rows).to(handle.device)
+        gpu.wait_ready(mark)
+        tokens, = launch.launch(*staged)
+        host = torch.empty(call.rows, dtype=torch.int64, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        gpu.write_done(mark)
+        done = torch.cuda.Event()
+        done.record(gpu.stream)
+    return done, host
 
 
 async def _broken_rule(handle, flag: torch.Tensor, checks: BulkChecks) -> str | None:

@@ -38,6 +38,9 @@ class PendingStep:
     # With processor fields in CUDA regions: a coroutine function giving the message of the rule
     # one broke (None: none), to ask once the step is done.
     broken_rule: Callable[[], Awaitable[str | None]] | None = None
+    # The host's part of the step, once it is done: ``retired(True)``; ``retired(False)`` where
+    # the device faulted and the step's values cannot be read (a draw by sequence ids counted).
+    retired: Callable[[bool], None] | None = None
 
 
 class SessionEnded(Unsupported):
@@ -135,8 +138,9 @@ class OrderedSession:
         source = self.sources[0]
         return source.call, self.next_enqueue, self.next_enqueue - source.first
 
-    async def wait_for_room(self) -> None:
-        while len(self.pending) >= self.max_steps_ahead:
+    async def wait_for_room(self, limit: int | None = None) -> None:
+        """Until fewer than ``limit`` steps (default ``max_steps_ahead``) are unfinished."""
+        while len(self.pending) >= (self.max_steps_ahead if limit is None else limit):
             self.room.clear()
             await self.room.wait()
             if self.ended is not None:
@@ -172,6 +176,8 @@ class OrderedSession:
             if not finished:
                 break
             self.pending.popleft()
+            if head.retired is not None:
+                head.retired(True)
             head.regions.release()
             if head.broken_rule is not None:  # it reads the server's copies of the fields, not the regions
                 asyncio.ensure_future(self._report_broken_rule(head))
@@ -213,11 +219,14 @@ class OrderedSession:
         while self.pending:
             head = self.pending[0]
             try:
-                if not head.done.query():
+                ran = head.done.query()
+                if not ran:
                     return False
             except RuntimeError:
-                pass  # a faulted context: the work will not run; its leases go
+                ran = False  # a faulted context: the work will not run; its leases go
             self.pending.popleft()
+            if head.retired is not None:
+                head.retired(ran)
             head.regions.release()
         self.drained.set()
         return True

@@ -140,6 +140,38 @@ class SequenceRows:
                 self.table.recount(self.sequences)
         return tokens, logprobs
 
+    # ------------------------------------------------------------ an ordered step (server/ordered/)
+
+    def read_ordered(self, call, holder: str) -> list[StateRows]:
+        """An ordered step's draw, at its enqueue, under ``table.launch_lock``: the sequences still
+        open and in no other caller's draw, their state read into ``call``, and each then held by
+        ``holder`` until :meth:`count_ordered` (no other call may draw it meanwhile: its output's
+        length and its step are known once the step is done)."""
+        self.table.check_open(self.sequences, self.path + "sequence_ids")
+        _, rows = self._read_state(call)
+        for seq in self.sequences:
+            seq.ordered = holder
+        return rows
+
+    def launch_ordered(self, call, handle, names: tuple[str, ...], rows: list[StateRows]) -> TableLaunch:
+        """On the launch thread, on the handle's stream: room for one more token in each output
+        (a full one grows there), then the step's launch over the list table."""
+        self.table.reserve(self.sequences, self.path + "sequence_ids")
+        return TableLaunch(call, handle, names, self.sequences, rows)
+
+    def count_ordered(self, call, tokens: list[int] | None) -> None:
+        """The ordered step is done: each row's token (appended by the launch; -1: none) counted,
+        kept as its sequence's last draw, its step advanced (``tokens`` None: the device faulted,
+        nothing is counted), and the sequences free for other calls."""
+        try:
+            if tokens is None:
+                self.table.recount(self.sequences)
+            else:
+                self.table.drew(self.sequences, tokens, self._answers(call, tokens, None))
+        finally:
+            for seq in self.sequences:
+                seq.ordered = None
+
     def _answers(self, call, tokens: list[int], logprobs: tuple | None) -> list:
         """Each row's answer, as its sequence keeps it (at its step, before it advances)."""
         seeds = call.seeds()

@@ -121,6 +121,9 @@ class Sequence:
     ended: str | None = None  # why it is no longer open ("closed", "expired"); None while open
     counted: int = 0  # the bytes the table counts for it (its nbytes while open)
     last: Drawn | None = None  # its last draw (None: none since it opened)
+    # The ordered step (server/ordered/) whose draw it is in and not yet counted ("ordered
+    # session S, mark M"), or None: no other call may draw it meanwhile.
+    ordered: str | None = None
     # The output buffer's address and room, kept beside it: a list table row reads them each call.
     output_address: int = field(init=False, default=0)
     output_capacity: int = field(init=False, default=0)

@@ -36,7 +36,7 @@ import torch
 from ..errors import TooLarge
 from ..logs import get_logger, log_event
 from .bounds import SequenceBounds
-from .sequence import ID_BYTES, OPEN_FIRST, Sequence, SequenceExists, SequenceNotFound, not_open
+from .sequence import ID_BYTES, OPEN_FIRST, Sequence, SequenceExists, SequenceNotFound, StepMismatch, not_open
 
 log = get_logger("sequences")
 
@@ -229,13 +229,18 @@ class SequenceTable:
     # ------------------------------------------------------------------------------ a launch
 
     def check_open(self, sequences: list[Sequence], field: str = "sequence_ids") -> None:
-        """On the launch thread: ``SequenceNotFound`` for the first of ``sequences`` that ended
-        (closed or expired) while its call waited."""
+        """At a launch: ``SequenceNotFound`` for the first of ``sequences`` that ended (closed or
+        expired) while its call waited; ``StepMismatch`` for one in an ordered step's draw not yet
+        counted (its output and step are known once that step is done)."""
         with self._lock:
             for row, seq in enumerate(sequences):
                 if seq.ended is not None:
                     raise SequenceNotFound(f"{field}[{row}]: sequence {seq.id} was {seq.ended} while this call "
                                            f"waited for its launch; {OPEN_FIRST}")
+                if seq.ordered is not None:
+                    raise StepMismatch(f"{field}[{row}]: sequence {seq.id} is in the draw of {seq.ordered}, not "
+                                       f"yet done on the GPU (nothing was drawn); one sequence, one caller at a "
+                                       f"time")
 
     def _charge(self, seq: Sequence, nbytes: int) -> None:
         """Under the lock: ``nbytes`` more counted for ``seq`` before it holds them."""
