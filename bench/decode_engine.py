@@ -358,6 +358,12 @@ def ordered_standing(engine: Engine, params: dict, steps: int, warmup: int, clie
 def run_mode(mode: str, engine: Engine, params: dict, steps: int, warmup: int, client) -> Run:
     """A run of ``mode``: in_process without a client; else ``sync_*`` or ``ordered_*`` calls
     through ``client`` (its transport, gRPC or the same-host channel, is the client's)."""
+    if params.get("sequences"):
+        from . import decode_sequences  # it builds on this module
+
+        if client is None:
+            return decode_sequences.in_process(engine, params, steps, warmup)
+        return decode_sequences.through(mode, engine, params, steps, warmup, client)
     if client is None:
         return in_process(engine, params, steps, warmup)
     call = sync_call if mode.startswith("sync_") else ordered_standing if mode == "ordered_standing" else ordered_call

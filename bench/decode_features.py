@@ -9,7 +9,8 @@ stand for its length at one point of a decode, the call's work as it is there). 
 on the engine's device, registered as a CUDA region of every client: an ordered call refuses a
 processor field sent as bytes (the server could not copy it to the device without waiting for the
 caller's mark), and a synchronous call should not pay a copy that an engine keeping its lists on
-the device would not.
+the device would not. ``sequences``: those lists held by the server as each row's sequence
+(bench/decode_sequences.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Feature:
     step_ms: tuple[float, ...] | None  # the step times it runs at; None: every one
     lists: bool  # whether it also passes the processors' tensors (processor_tensors)
     about: str  # for the report's header
+    sequences: bool = False  # rows drawn by sequence ids holding those lists (bench/decode_sequences.py)
 
 
 PLAIN = dict(temperature=0.8, top_k=50, top_p=0.9)
@@ -39,6 +41,10 @@ FEATURES = {
         f"plain after repetition 1.1, frequency 0.2 and presence 0.3 penalties over {PROMPT_TOKENS} prompt and "
         f"{OUTPUT_TOKENS:,} output tokens a row and a grammar bitmask allowing about half the vocabulary, every "
         f"tensor in a CUDA region"),
+    "sequences": Feature(
+        dict(PLAIN, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3), (5.0,), True,
+        "penalties_bitmask's lists and parameters held by the server as each row's sequence, its output growing "
+        "by every draw, the calls naming the rows' sequence ids and the bitmask", sequences=True),
 }
 
 
@@ -135,4 +141,4 @@ class Lists:
         if batch not in self.by_batch:
             tensors = self.by_batch[batch] = processor_tensors(batch, self.vocab, self.device)
             self.register_all(lambda client: register(client, batch, tensors))
-        return dict(feature.params, **self.by_batch[batch])
+        return dict(feature.params, **self.by_batch[batch], **({"sequences": True} if feature.sequences else {}))

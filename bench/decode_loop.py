@@ -18,8 +18,8 @@ from the device and writing B x 128256 float32 logits) decodes ``--steps`` steps
   no message to the server per step.
 
 Features (``bench/decode_features.py``): ``plain`` (T 0.8, top_k 50, top_p 0.9) at every step time,
-``penalties_bitmask`` (plain after penalties and a grammar bitmask) at 5 ms only. Seed 1234 + row, step =
-the step index: every mode must draw in_process's tokens at every step. One server process
+``penalties_bitmask`` (plain after penalties and a bitmask), ``sequences`` (those as the rows' sequences) at 5
+ms only. Seed 1234 + row, step = the step index: every mode must draw in_process's tokens. One server process
 (``bench/servers.py``) serves every mode that calls one. Cells run in ``--step-ms`` order, then batch
 sizes, then features; each repeat runs every mode in turn, so drift hits them alike. The JSON is rewritten
 after every run, and ``--budget-s`` stops the matrix before a run that would end past it (an alarm at the

@@ -21,7 +21,7 @@ def test_the_default_matrix_is_every_mode_at_every_batch_and_step_time():
     assert args.batch == [1, 32, 256]
     assert args.step_ms == [5.0, 2.0, 20.0]
     assert args.modes == list(MODES)
-    assert args.features == ["plain", "penalties_bitmask"]
+    assert args.features == ["plain", "penalties_bitmask", "sequences"]
     assert (args.repeats, args.steps, args.warmup, args.hidden, args.vocab) == (3, 200, 10, 8192, 128256)
     assert args.budget_s < 540  # ends, with its shutdown, inside a 10-minute command
 
@@ -33,7 +33,7 @@ def test_subsets_keep_the_reference_first_and_the_modes_in_order():
 
 
 @pytest.mark.parametrize("argv, features", [
-    ([], ["plain", "penalties_bitmask"]), (["--step-ms", "2,20"], ["plain"]),  # default: those that run there
+    ([], ["plain", "penalties_bitmask", "sequences"]), (["--step-ms", "2,20"], ["plain"]),  # default: those that run there
     (["--features", "penalties_bitmask,plain"], ["plain", "penalties_bitmask"]),
     (["--features", "penalties_bitmask", "--step-ms", "5.0"], ["penalties_bitmask"]),
 ])
@@ -41,9 +41,9 @@ def test_features_run_where_they_can(argv, features):
     assert parse_args(argv).features == features
 
 
-def test_penalties_run_at_5_ms_only():
+def test_penalties_and_sequences_run_at_5_ms_only():
     chosen = list(decode_features.FEATURES)
-    assert decode_features.cell_features(5.0, chosen) == ["plain", "penalties_bitmask"]
+    assert decode_features.cell_features(5.0, chosen) == ["plain", "penalties_bitmask", "sequences"]
     assert decode_features.cell_features(2.0, chosen) == decode_features.cell_features(20.0, chosen) == ["plain"]
     assert decode_features.cell_features(2.0, ["penalties_bitmask"]) == []
 
@@ -223,3 +223,32 @@ def test_the_kernels_take_the_feature_and_draw_only_allowed_tokens():
     tokens = kernels.sample(logits, **params, seed=torch.arange(4) + 1234, step=0)
     words = params["grammar_bitmask"].to(torch.int64)[torch.arange(4), tokens // 32]
     assert ((words >> (tokens % 32)) & 1).all()
+
+
+def test_the_sequences_feature_draws_in_process_what_the_server_draws_by_sequence_ids():
+    """bench/decode_sequences.py's floor keeps the rows' outputs as the server does: a CPU server's
+    draws by sequence ids (opened from the feature's specs) equal ``kernels.sample`` over the
+    lists ``Outputs`` keeps, step after step."""
+    from logitserve import kernels
+    from logitserve.client import Client
+    from logitserve.server import ServerConfig
+    from logitserve.server.testing import ServerThread
+
+    from bench.decode_sequences import FIRST_ID, Outputs, specs
+
+    batch, vocab, steps = 3, 300, 4
+    params = decode_features.Lists(vocab, "cpu", lambda register: None).params("sequences", batch)
+    assert params["sequences"] and params["repetition_penalty"] == 1.1
+    outputs = Outputs(params, batch, steps)
+    config = ServerConfig(host="127.0.0.1", port=0, device="cpu", backend="torch", warmup_dtypes=())
+    generator = torch.Generator().manual_seed(3)
+    with ServerThread(config) as server, Client(server.target) as client:
+        client.open_sequences(specs(batch, params))
+        for n in range(steps):
+            logits = torch.randn(batch, vocab, generator=generator) * 4
+            logits[:, :40] += 3  # the lists' tokens among the likely ones: the penalties matter
+            served = client.sample(logits.numpy(), sequence_ids=[FIRST_ID + r for r in range(batch)],
+                                   grammar_bitmask=params["grammar_bitmask"].numpy())
+            here = kernels.sample(logits, **outputs.keywords(), seed=torch.arange(batch) + 1234, step=n)
+            assert served.token_ids.tolist() == here.tolist(), n
+            outputs.grow(here)
