@@ -80,8 +80,8 @@ class SequenceState:
     def max_id(self) -> int:
         return max(self.max_ids.values(), default=-1)
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # a state is never changed (replaced whole): counted once
         return held_bytes(getattr(self, attr) for attr in STATE_LISTS)
 
     def nbytes_with(self, replaced: dict[str, int]) -> int:
@@ -101,8 +101,8 @@ class Drawn:
     asked: tuple  # (logprobs n or None, logprobs_mode, return_kept) of the call that drew it
     logprobs: tuple | None  # its row of the answer's (token_logprobs, ..., kept_bitmask): host tensors or None
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # frozen: counted once
         return held_bytes(self.logprobs or ())
 
 
@@ -143,7 +143,7 @@ class Sequence:
     def nbytes(self) -> int:
         """The bytes of the buffers it holds, as allocated: its lists, its output's whole room,
         its last answer."""
-        return self.state.nbytes + held_bytes((self.output,)) + self.last_bytes
+        return self.state.nbytes + self.output_capacity * ID_BYTES + self.last_bytes  # the output is int64
 
     @property
     def last_bytes(self) -> int:

@@ -106,8 +106,9 @@ class SequenceTable:
     def _recount(self, seq: Sequence) -> None:
         """Under the lock: the bounds told what ``seq`` holds now, if it is still open."""
         if seq.ended is None:
-            self.bounds.add(seq.owner, 0, seq.nbytes - seq.counted)
-            seq.counted = seq.nbytes
+            nbytes = seq.nbytes
+            self.bounds.add(seq.owner, 0, nbytes - seq.counted)
+            seq.counted = nbytes
 
     # ------------------------------------------------------------------ checks before the work
 
