@@ -147,7 +147,7 @@ class Sequence:
 
     @property
     def last_bytes(self) -> int:
-        return 0 if self.last is None else self.last.nbytes
+        return 0 if self.last is None or self.last.logprobs is None else self.last.nbytes
 
     @property
     def full(self) -> bool:

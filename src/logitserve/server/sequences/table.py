@@ -310,10 +310,18 @@ class SequenceTable:
 
     def recount(self, sequences: list[Sequence]) -> None:
         """What each of ``sequences`` holds counted again (after a draw, or a failed one: the
-        room :meth:`reserve` counted for an answer never kept is let go)."""
+        room :meth:`reserve` counted for an answer never kept is let go); the bounds told once
+        per owner."""
+        changed: dict = {}
         with self._lock:
             for seq in sequences:
-                self._recount(seq)
+                if seq.ended is None:
+                    nbytes = seq.nbytes
+                    if nbytes != seq.counted:
+                        changed[seq.owner] = changed.get(seq.owner, 0) + nbytes - seq.counted
+                        seq.counted = nbytes
+            for owner, nbytes in changed.items():
+                self.bounds.add(owner, 0, nbytes)
 
     def holdings(self) -> dict:
         """Each owner holding sequences -> {"open_sequences": n, "sequence_bytes": b} (/metrics)."""
