@@ -49,6 +49,9 @@ class Region:
         self.base_ptr = 0  # the opened allocation's base
         self.device_bytes = None  # torch uint8 tensor over [base, base + offset + byte_size)
         self.closer = None  # closes the IPC mapping
+        # The views calls resolved, by (start, bytes, dtype, shape): a caller names the same slices
+        # call after call, and a view costs microseconds of torch a tensor (at most VIEWS_KEPT).
+        self.views: dict = {}
 
     def info(self) -> RegionInfo:
         return RegionInfo(self.name, self.kind, self.key, self.offset, self.byte_size, self.device_id, self.leases,
@@ -73,9 +76,13 @@ class Region:
                 os.close(fd)
         else:
             self.device_bytes = None
+            self.views = {}
             closer, self.closer = self.closer, None
             if closer is not None:
                 closer()
+
+
+VIEWS_KEPT = 64  # a region's resolved views kept; past it they are made afresh (a hostile caller's slices)
 
 
 class RegionLease:

@@ -16,7 +16,7 @@ from .names import (CUDA_IPC_HANDLE_BYTES, DEFAULT_MAX_MAPPED_BYTES, DEFAULT_MAX
                     SHM_DIR, SYSTEM, RegionExists, RegionNotFound, kinds_of, shown, check_key, check_key_scope,
                     check_name)
 from .access import SystemSlice, detached_error, shrunk_error
-from .region import Region, RegionInfo, RegionLease
+from .region import VIEWS_KEPT, Region, RegionInfo, RegionLease
 from .system import open_system
 
 
@@ -319,7 +319,12 @@ class RegionRegistry:
                 view = SystemSlice(region, offset, need, field, mapped)
                 span = (region.memory, start, start + need)
             else:
-                view = region.device_bytes[start:start + need].view(dtype).view(tuple(shape))
+                key = (start, need, dtype, tuple(shape))
+                view = region.views.get(key)
+                if view is None:
+                    view = region.device_bytes[start:start + need].view(dtype).view(key[3])
+                    if len(region.views) < VIEWS_KEPT:
+                        region.views[key] = view
                 span = (region.memory, region.base_ptr + start, region.base_ptr + start + need)
             region.leases += 1
         return RegionLease(self, region, view, dtype, tuple(shape), field, writable, span)
