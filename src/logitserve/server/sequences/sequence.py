@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -90,10 +91,10 @@ class SequenceState:
         return sum(replaced[attr] if attr in replaced else held_bytes((getattr(self, attr),)) for attr in STATE_LISTS)
 
 
-@dataclass(frozen=True)
-class Drawn:
+class Drawn(NamedTuple):
     """A sequence's last draw, as its call was answered: kept so that a retry of that call is
-    answered the same."""
+    answered the same. A tuple: a call makes one a row (a frozen dataclass's init cost several
+    times as much)."""
 
     step: int
     token: int
@@ -101,8 +102,8 @@ class Drawn:
     asked: tuple  # (logprobs n or None, logprobs_mode, return_kept) of the call that drew it
     logprobs: tuple | None  # its row of the answer's (token_logprobs, ..., kept_bitmask): host tensors or None
 
-    @functools.cached_property
-    def nbytes(self) -> int:  # frozen: counted once
+    @property
+    def nbytes(self) -> int:
         return held_bytes(self.logprobs or ())
 
 
