@@ -174,7 +174,7 @@ async def _enqueue_sequence_step(table, session: OrderedSession, call: SampleCal
     session holds no step before it (:func:`room_for`): its state is the one the last step left."""
     rows = call.sequences
     async with rows.table.launch_lock:
-        state_rows = rows.read_ordered(call, f"ordered session {session.id}, mark {mark}")
+        states, state_rows = rows.read_ordered(call, f"ordered session {session.id}, mark {mark}")
         call.regions.hold()  # released by the session once the step's event has passed
         try:
             done, tokens = await table.handle.enqueue(_enqueue_sequences, call, session.gpu, mark, table.handle,
@@ -185,6 +185,7 @@ async def _enqueue_sequence_step(table, session: OrderedSession, call: SampleCal
             raise
 
     def retired(ran: bool) -> None:
+        del states[:]  # held until the step is done (read_ordered says why)
         rows.count_ordered(call, tokens.tolist() if ran else None)
 
     session.add(PendingStep(mark, done, call.regions, retired=retired))

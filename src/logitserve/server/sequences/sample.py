@@ -143,16 +143,18 @@ class SequenceRows:
 
     # ------------------------------------------------------------ an ordered step (server/ordered/)
 
-    def read_ordered(self, call, holder: str) -> list[StateRows]:
+    def read_ordered(self, call, holder: str) -> tuple[list[SequenceState], list[StateRows]]:
         """An ordered step's draw, at its enqueue, under ``table.launch_lock``: the sequences still
         open and in no other caller's draw, their state read into ``call``, and each then held by
         ``holder`` until :meth:`count_ordered` (no other call may draw it meanwhile: its output's
-        length and its step are known once the step is done)."""
+        length and its step are known once the step is done). The states, which the caller keeps
+        until then: the list table holds their lists' addresses, not the lists, and an update
+        meanwhile would free them while the step, on another stream, has yet to read them."""
         self.table.check_open(self.sequences, self.path + "sequence_ids")
-        _, rows = self._read_state(call)
+        states, rows = self._read_state(call)
         for seq in self.sequences:
             seq.ordered = holder
-        return rows
+        return states, rows
 
     def launch_ordered(self, call, handle, names: tuple[str, ...], rows: list[StateRows]) -> TableLaunch:
         """On the launch thread, on the handle's stream: room for one more token in each output
