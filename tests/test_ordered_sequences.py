@@ -108,3 +108,29 @@ def test_an_ordered_draw_by_sequence_ids_may_not_name_steps():
     call.sequences = SequenceRows(None, [], 4, "", steps=[0])
     with pytest.raises(ValueError, match="ordered: not with sequence_steps"):
         check_orderable(call, torch.device("cuda", 0))
+
+
+def test_sequences_closed_during_a_step_and_a_faulted_step_leave_nothing_counted_or_held(sessions):
+    """Closed while its draw is on the GPU: the step still counts its token into the (closed)
+    sequence, and the table holds nothing for it after. A step whose device faulted counts
+    nothing and lets its rows go."""
+    async def scenario():
+        seq_table = SequenceTable(SequenceBounds(64, 1 << 20), idle_s=60, device=torch.device("cpu"))
+        seqs = await open_specs(seq_table, [pb.SequenceSpec(id=i, seed=i) for i in (1, 2)], None, VOCAB)
+        handle = SequenceHandle([[3, 4], [5, 6]])
+        table = SessionTable(handle, 4, 4, wait_timeout_s=5)
+        session = await table.open(None, 0, 0)
+
+        await enqueue_sample(table, session, _sequence_call(seq_table, seqs), 1)
+        assert seq_table.close(None, [1]) == [1]
+        handle.pass_step(session, 1)
+        await _until(lambda: not session.pending)
+        assert seqs[0].outputs().tolist() == [3] and seqs[0].ordered is None
+        assert seq_table.stats(None)["open_sequences"] == 1
+        assert seq_table.stats(None)["sequence_bytes"] == seqs[1].nbytes  # the closed one's bytes gone
+
+        await enqueue_sample(table, session, _sequence_call(seq_table, seqs[1:]), 2)
+        session.pending[0].retired(False)  # as retire_all does for a faulted context
+        assert seqs[1].ordered is None and seqs[1].step == 1 and seqs[1].outputs().tolist() == [4]
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
