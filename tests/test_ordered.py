@@ -251,8 +251,10 @@ def test_an_ordered_steps_checks_read_the_lists_as_its_kernels_did():
     checks = BulkChecks()
     checks.ragged("", "output_token_ids", "output_offsets", ids_field, offsets_field, vocab=8)
     snapshot = _Snapshot()
+    snapshot.take([ids_field, offsets_field])  # as the step takes them, right after its ready wait
     launched = kernel_keywords({"output_token_ids": ids_field, "output_offsets": offsets_field}, ids.device, snapshot)
     assert launched["output_token_ids"].data_ptr() != ids.data_ptr()  # the kernels read the copy
+    assert launched["output_offsets"].tolist() == [0, 2, 3]
     ids[1] = 2  # the engine's next step writes its list after `done`
     broken = BulkChecks(checks.checks, snapshot)
     assert bool(broken.in_launch())  # 9 >= vocab 8, as the kernels read it

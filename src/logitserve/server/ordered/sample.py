@@ -236,9 +236,7 @@ def _enqueue(call: SampleCall, gpu, mark: int, handle) -> tuple[torch.cuda.Event
         processors = {}
         if call.processors is not None:
             snapshot = _Snapshot()
-            for value in call.processors.values():
-                if type(value) is DeviceTensor:
-                    snapshot(value)
+            snapshot.take([value for value in call.processors.values() if type(value) is DeviceTensor])
             processors = kernel_keywords(call.processors, handle.device, snapshot)
         tokens = kernels.sample(call.logits.torch(), **params, filter_order=call.filter_order, backend=handle.backend,
                                 **processors)
@@ -276,6 +274,15 @@ class _Snapshot(Reads):
     (its first read, right after the ready wait), the kernels and the checks reading the copy."""
 
     __slots__ = ()
+
+    def take(self, fields: list[DeviceTensor]) -> None:
+        """The copies of ``fields``, taken together: one multi-tensor copy a dtype rather than a
+        copy kernel a field, on the step's critical path (between its ready wait and ``done``)."""
+        originals = [t.torch() for t in fields]
+        copies = [torch.empty_like(o) for o in originals]
+        if copies:
+            torch._foreach_copy_(copies, originals)
+        self._copies.update(zip(fields, copies))
 
     def __call__(self, t):
         if type(t) is not DeviceTensor:
