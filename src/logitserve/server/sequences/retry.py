@@ -40,11 +40,14 @@ def answer_bytes(call, vocab: int) -> int:
     return nbytes
 
 
-def drawn(seq: Sequence, row: int, token: int, seed: int, call, logprobs: tuple | None) -> Drawn:
-    """Row ``row`` of a call's answer (``logprobs``: its host tensors, or None), as ``seq``'s
+def drawn(sequences: list[Sequence], tokens: list[int], seeds: list[int], call, logprobs: tuple | None) -> list[Drawn]:
+    """Each row of a call's answer (``logprobs``: its host tensors, or None) as its sequence's
     last draw, at its step (before it advances)."""
-    kept = None if logprobs is None else tuple(None if t is None else t[row].clone() for t in logprobs)
-    return Drawn(seq.step, token, seed, asked(call), kept)
+    what = asked(call)
+    if logprobs is None:
+        return [Drawn(seq.step, token, seed, what, None) for seq, token, seed in zip(sequences, tokens, seeds)]
+    return [Drawn(seq.step, token, seed, what, tuple(None if t is None else t[row].clone() for t in logprobs))
+            for row, (seq, token, seed) in enumerate(zip(sequences, tokens, seeds))]
 
 
 def _mismatch(field: str, seq: Sequence, step: int) -> StepMismatch:

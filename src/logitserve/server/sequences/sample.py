@@ -33,8 +33,8 @@ from logitserve.kernels.sampling.params import MIN_TOKENS, PENALTY_PARAMS, RAGGE
 
 from ..regions.servicer import caller
 from .lists import StateRows, TableLaunch, lists_of, param_rows
-from .retry import answer_bytes, asked, drawn, repeated, repeats
-from .sequence import Drawn, Sequence, SequenceState
+from .retry import answer_bytes, drawn, repeated, repeats
+from .sequence import Sequence, SequenceState
 from .table import SequenceTable
 
 # The SampleRequest fields a sequence's state replaces: with sequence_ids they must be unset.
@@ -177,13 +177,7 @@ class SequenceRows:
 
     def _answers(self, call, tokens: list[int], logprobs: tuple | None) -> list:
         """Each row's answer, as its sequence keeps it (at its step, before it advances)."""
-        if logprobs is None:  # the common case, without a call per row
-            what = asked(call)
-            return [Drawn(seq.step, token, seed, what, None)
-                    for seq, token, seed in zip(self.sequences, tokens, call.seeds())]
-        seeds = call.seeds()
-        return [drawn(seq, row, token, seeds[row], call, logprobs)
-                for row, (seq, token) in enumerate(zip(self.sequences, tokens))]
+        return drawn(self.sequences, tokens, call.seeds(), call, logprobs)
 
     @staticmethod
     def _put_outputs(call, tokens: list[int]) -> None:

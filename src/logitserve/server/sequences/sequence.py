@@ -104,7 +104,7 @@ class Drawn(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return held_bytes(self.logprobs or ())
+        return 0 if self.logprobs is None else held_bytes(self.logprobs)
 
 
 @dataclass(eq=False)
@@ -148,7 +148,7 @@ class Sequence:
 
     @property
     def last_bytes(self) -> int:
-        return 0 if self.last is None or self.last.logprobs is None else self.last.nbytes
+        return 0 if self.last is None else self.last.nbytes
 
     @property
     def full(self) -> bool:

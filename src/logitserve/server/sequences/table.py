@@ -103,12 +103,21 @@ class SequenceTable:
         self.bounds.add(seq.owner, -1, -seq.counted)
         return seq
 
+    @staticmethod
+    def _uncounted(seq: Sequence) -> int:
+        """Under the lock: the bytes ``seq`` holds beyond what the bounds count (0 once it is
+        closed), counted from now on: the caller tells the bounds."""
+        if seq.ended is not None:
+            return 0
+        nbytes = seq.nbytes
+        more, seq.counted = nbytes - seq.counted, nbytes
+        return more
+
     def _recount(self, seq: Sequence) -> None:
         """Under the lock: the bounds told what ``seq`` holds now, if it is still open."""
-        if seq.ended is None:
-            nbytes = seq.nbytes
-            self.bounds.add(seq.owner, 0, nbytes - seq.counted)
-            seq.counted = nbytes
+        more = self._uncounted(seq)
+        if more:
+            self.bounds.add(seq.owner, 0, more)
 
     # ------------------------------------------------------------------ checks before the work
 
@@ -315,13 +324,11 @@ class SequenceTable:
         changed: dict = {}
         with self._lock:
             for seq in sequences:
-                if seq.ended is None:
-                    nbytes = seq.nbytes
-                    if nbytes != seq.counted:
-                        changed[seq.owner] = changed.get(seq.owner, 0) + nbytes - seq.counted
-                        seq.counted = nbytes
-            for owner, nbytes in changed.items():
-                self.bounds.add(owner, 0, nbytes)
+                more = self._uncounted(seq)
+                if more:
+                    changed[seq.owner] = changed.get(seq.owner, 0) + more
+            for owner, more in changed.items():
+                self.bounds.add(owner, 0, more)
 
     def holdings(self) -> dict:
         """Each owner holding sequences -> {"open_sequences": n, "sequence_bytes": b} (/metrics)."""
