@@ -33,16 +33,17 @@ class Feature:
 
 
 PLAIN = dict(temperature=0.8, top_k=50, top_p=0.9)
+PENALTIES = PENALTIES
 FEATURES = {
     "plain": Feature(PLAIN, None, False, "T 0.8, top_k 50, top_p 0.9"),
     # Issue 44: "the whole matrix at a 5 ms step; 2 and 20 ms with plain sampling only".
     "penalties_bitmask": Feature(
-        dict(PLAIN, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3), (5.0,), True,
+        PENALTIES, (5.0,), True,
         f"plain after repetition 1.1, frequency 0.2 and presence 0.3 penalties over {PROMPT_TOKENS} prompt and "
         f"{OUTPUT_TOKENS:,} output tokens a row and a grammar bitmask allowing about half the vocabulary, every "
         f"tensor in a CUDA region"),
     "sequences": Feature(
-        dict(PLAIN, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3), (5.0,), True,
+        PENALTIES, (5.0,), True,
         "penalties_bitmask's lists and parameters held by the server as each row's sequence, its output growing "
         "by every draw, the calls naming the rows' sequence ids and the bitmask", sequences=True),
 }
