@@ -33,7 +33,7 @@ class Feature:
 
 
 PLAIN = dict(temperature=0.8, top_k=50, top_p=0.9)
-PENALTIES = PENALTIES
+PENALTIES = dict(PLAIN, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3)
 FEATURES = {
     "plain": Feature(PLAIN, None, False, "T 0.8, top_k 50, top_p 0.9"),
     # Issue 44: "the whole matrix at a 5 ms step; 2 and 20 ms with plain sampling only".
