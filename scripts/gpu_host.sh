@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 45's figures on the lent GPU machine: a call's host path, each step one bench. Results
+# (JSON, tables, logs) land in $OUT (or ./gpu-results).
+#   run: bash scripts/gpu_host.sh [lone|profile|channel|processors ...]   (carry .whl: iceoryx2,
+#   health, reflection; and, for `lone`, the baseline's tree in .gpu/b45/src: issue 45's "today",
+#   3ba2b80, laid out as src/logitserve/ by hand, since that commit predates the src layout)
+#   lone:       bench.lone_call compare, baseline against this tree (RouteExperts 1x8 and Sample
+#               1x32000 over gRPC and the channel: p50, p99, server CPU a call), about 4 minutes
+#   profile:    bench.processors_service with the server's threads sampled (bench.stack_profile):
+#               where a processors call, a sequence call and a VerifyDraft spend the host's time
+#   channel:    bench.channel_service: Sample 1 / 256 rows in CUDA regions against the kernel, and
+#               8 client processes' calls/s, about 3 minutes
+#   processors: bench.processors_service unprofiled: every feature against the plain call
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/device_env.sh || exit 1
+out="${OUT:-gpu-results}"
+mkdir -p "$out"
+for step in "${@:-lone channel}"; do
+  case "$step" in
+    lone)
+      python3 -m bench.lone_call compare --device cuda:0 --backend auto --before .gpu/b45/src --after src \
+        --rounds 5 --seconds 1.5 --out "$out/lone.json" 2> "$out/lone.log" | tail -20 ;;
+    profile)
+      python3 -m bench.processors_service --device cuda:0 --calls 60 --case-seconds 8 \
+        --stack-samples "$out/stacks.json" --out "$out/profile.md" > "$out/profile.log" 2>&1
+      tail -5 "$out/profile.log" ;;
+    channel)
+      python3 -m bench.channel_service --device cuda:0 --out "$out/channel.json" 2> "$out/channel.log" | tail -16 ;;
+    processors)
+      python3 -m bench.processors_service --device cuda:0 --out "$out/processors.md" 2> "$out/processors.log" \
+        | tail -20 ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
