@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 source scripts/device_env.sh || exit 1
 out="${OUT:-gpu-results}"
 mkdir -p "$out"
-for step in "${@:-lone channel}"; do
+for step in ${@:-lone channel}; do
   case "$step" in
     lone)
       python3 -m bench.lone_call compare --device cuda:0 --backend auto --before .gpu/b45/src --after src \
