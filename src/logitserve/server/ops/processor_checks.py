@@ -197,6 +197,12 @@ class BulkChecks:
         device = BulkChecks([c for c in self.checks if type(c.data) is DeviceTensor], self.read)
         return host or None, device or None
 
+    def of_rows(self) -> "BulkChecks | None":
+        """The per-row parameters' checks alone (None: none): their tensors are ``[B]``, so a
+        CUDA graph holds their reductions; a list's length changes from call to call, and a list
+        table's own launch checks those instead (server/ops/processors_in_place.py)."""
+        return BulkChecks([c for c in self.checks if type(c) is _Rows], self.read) or None
+
     def in_launch(self) -> torch.Tensor:
         """On the launch thread, ahead of the kernels: whether any check is broken, as a 0-d bool
         tensor on the device (queued, not read; :meth:`error` makes the message)."""

@@ -23,6 +23,7 @@ from .limits import Limits, answer_bytes
 from .processor_checks import BulkChecks, off_loop
 from .resident import Outputs, column_stage, device_inputs, graph_key, launches_in_place, on_device
 from .sample_params import DeviceRows, Param, draw_seeds, param_rows, read_device_rows, take_device_rows, wire_param
+from .processors_in_place import run_with_table, takes_table
 from .sample_processors import launch_processed
 from .sample_processors import parse as parse_processors
 
@@ -191,7 +192,9 @@ class SampleCall:
             results = []
             for c in calls:
                 names = param_names([c])
-                if c.sequences is None:
+                if takes_table(c, handle):  # lists in CUDA regions: a list table, a graph
+                    tokens, lp = await run_with_table(c, handle, names)
+                elif c.sequences is None:  # lists ragged, eagerly
                     tokens, lp, broken = await handle.run(launch_processed, c, handle, names)
                     if broken is not None and broken.item():  # a field in a CUDA region breaks a rule
                         raise ValueError(await handle.run(c.device_checks.error))

@@ -158,7 +158,7 @@ def launch_processed(call, handle, names) -> tuple:
     logits, floats, ints = device_inputs(handle, [call.logits], [call.params[0]], [call.params[1]])
     params = dict(zip(names, (*floats.unbind(1), *ints.unbind(1))))
     broken = None if call.device_checks is None else call.device_checks.in_launch()
-    procs = kernel_keywords(call.processors or {}, logits.device, _reads(call))
+    procs = kernel_keywords(call.processors or {}, logits.device, checked_reads(call))
     extra = {} if call.logprobs is None else dict(logprobs=call.logprobs, logprobs_mode=call.logprobs_mode)
     if call.return_kept:
         extra["return_kept"] = True
@@ -168,7 +168,7 @@ def launch_processed(call, handle, names) -> tuple:
     return to_host(tokens), logprobs_on_host(lp), None if broken is None else to_host(broken)
 
 
-def _reads(call) -> Reads:
+def checked_reads(call) -> Reads:
     """The tensors ``call``'s checks read (host and device checks share them), to launch from."""
     for checks in (call.checks, call.device_checks):
         if checks is not None:
