@@ -14,7 +14,10 @@ where they could shrink under it), a CUDA region on its device (never copied to 
 offsets ``[B + 1]`` sent as bytes beside ids in a CUDA region go to the ids' device). The checks of fields in CUDA regions run in the call's
 launch instead (:meth:`BulkChecks.split`): their reductions queue on the launch's stream ahead
 of the kernels, and their flag comes back with the tokens, so that they cost no synchronisation
-and no thread of their own (on the H200 they held a call 1.2 ms). The kernels read such lists
+and no thread of their own (on the H200 they held a call 1.2 ms); a call launched through a list
+table (processors_in_place.py) has its lists checked by the table's own kernel, in its graph, by
+these rules, and only the per-row parameters by these reductions (:meth:`BulkChecks.of_rows`),
+the messages made here either way. The kernels read such lists
 safely whatever they hold (on CUDA they clamp spans and skip ids outside the vocabulary); a call
 whose flag is set answers INVALID_ARGUMENT, and its outputs in regions hold what the launch wrote. The rules are the kernels' (``kernels/sampling/
 processors.py``: :func:`ragged_broken` and :func:`ragged_error`, which the kernels' own CPU

@@ -13,9 +13,13 @@ region), and become the kernels' tensors on the launch thread.
 
 A call with any processor or logprobs launches as its own group (``SampleCall.key`` is None):
 the simplest correct rule, since its ragged lists and bitmask would otherwise have to be merged
-with its neighbours' (offsets rebased). It runs eagerly on the launch thread (no CUDA graph).
-An empty list over the whole batch is sent as the offsets alone (zeros), ``<x>_token_ids``
-unset: the wire has no empty tensors.
+with its neighbours' (offsets rebased). Where its lists' ids are in CUDA regions (and the rest of
+processors_in_place.py's rule holds) it launches there, through a list table the device computes
+from the offsets, from a CUDA graph. Otherwise it launches here (:func:`launch_processed`),
+eagerly on the launch thread with its lists ragged: lists as bytes or in system regions are
+staged at their length, which a graph would hold, and int32 ids, an allowed list or the torch
+backend have no table. An empty list over the whole batch is sent as the offsets alone (zeros),
+``<x>_token_ids`` unset: the wire has no empty tensors.
 """
 
 from __future__ import annotations
@@ -149,7 +153,7 @@ def kernel_keywords(processors: dict, device: torch.device, read: Reads) -> dict
 
 
 def launch_processed(call, handle, names) -> tuple:
-    """On the launch thread: one call with processors or logprobs, alone. Returns ``(token ids
+    """On the launch thread: one call with processors or logprobs, alone, its lists ragged. Returns ``(token ids
     on the host, logprobs as host tensors or None, whether a field in a CUDA region breaks a rule
     (a host bool tensor) or None)``: those fields' checks queue ahead of the kernels
     (processor_checks.py), whose clamping makes any list safe to read."""
