@@ -337,14 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [site, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
     if args.stack_samples:
-        import tempfile
-
-        from .stack_profile import ENV, sitecustomize_dir
-        here_repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        hook = sitecustomize_dir(here_repo, tempfile.mkdtemp(prefix="stack-profile-"))
-        env = dict(env or os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([hook, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
-        env[ENV] = os.path.abspath(args.stack_samples)
+        from .stack_profile import profiled_env
+        env = profiled_env(env, args.stack_samples)
     spec = ServerSpec("server", serve_argv("--device", args.device, "--backend", args.backend, "--warmup-dtypes",
                                            "float32", "--warmup-widths", str(vocab)), env=env, cwd=cwd)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,6 +27,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SERVE = ("-c", "import sys; from logitserve.server.cli import main; sys.exit(main())", "serve")
+# Set to a file name, every real server a bench starts samples its threads into it (bench.stack_profile;
+# `python -m bench.stack_profile FILE` summarizes): a profile of any bench's server, its figures aside.
+PROFILE_ENV = "BENCH_SERVER_STACK_SAMPLES"
 
 
 @dataclasses.dataclass
@@ -98,8 +101,12 @@ class _Child:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-service-", suffix=".log", delete=False)
         print(f"# starting {spec.label}: {shlex.join(argv)} (log {self.log.name})", file=sys.stderr, flush=True)
         pin = None if spec.cpus is None else functools.partial(os.sched_setaffinity, 0, spec.cpus)
+        env = spec.env
+        if os.environ.get(PROFILE_ENV) and not spec.is_echo:
+            from .stack_profile import profiled_env
+            env = profiled_env(env, os.environ[PROFILE_ENV])
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=pin, env=spec.env, cwd=spec.cwd)
+                                        preexec_fn=pin, env=env, cwd=spec.cwd)
         self.target = f"127.0.0.1:{port}"
         self.t0 = time.monotonic()
 

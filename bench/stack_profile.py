@@ -77,6 +77,17 @@ def start_from_env() -> None:
         start(os.environ[ENV])
 
 
+def profiled_env(env: dict[str, str] | None, path: str) -> dict[str, str]:
+    """``env`` (None: this process's) for a server subprocess that samples its threads into ``path``."""
+    import tempfile
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hook = sitecustomize_dir(repo, tempfile.mkdtemp(prefix="stack-profile-"))
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([hook, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    env[ENV] = os.path.abspath(path)
+    return env
+
+
 def sitecustomize_dir(repo: str, into: str) -> str:
     """A directory holding a ``sitecustomize.py`` that starts the sampler where ``ENV`` is set:
     put it on a server's PYTHONPATH."""
