@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,10 +20,12 @@ from logitserve.client import messages
 from logitserve.kernels.sampling.offsets_table import table_of_offsets
 from logitserve.kernels.sampling.processors import TABLE_LISTS, Processors, process_logits
 from logitserve.server.engine.device import DeviceHandle
+from logitserve.server.engine.graphs import LaunchGraphs
 from logitserve.server.ops import processors_in_place, sample
 from logitserve.server.ops.limits import Limits
 from logitserve.server.ops.sample import SampleCall
 from logitserve.server.regions import CUDA
+from logitserve.server.tensors import DeviceTensor
 from logitserve.v1 import logitserve_pb2 as pb
 from test_sample_processors import features, procs_of, ragged
 
@@ -226,3 +229,29 @@ def test_table_of_offsets_equals_the_ragged_lists(gen):
     stop[2] = 10**9
     _, broken = table_of_offsets({**offsets, "stop": stop}, places, VOCAB, kw["min_tokens"], backend="interpret")
     assert broken.tolist() == [0, 0, 1, 0]  # row 2 starts past where it ends
+
+
+def test_the_graph_key_holds_places_not_lengths(handle, gen):
+    """Two calls whose lists differ in length (their ids at the same places) share a graph's key;
+    the key follows where the offsets are read, and an output region's address."""
+    graphed = SimpleNamespace(device=handle.device, backend=handle.backend,
+                              graphs=LaunchGraphs(handle.device, None))
+    fields = LIST_FIELDS + ("logit_bias_values", "grammar_bitmask")
+    short, long = _lists(gen), _lists(gen)
+    long["prompt_token_ids"] = np.concatenate([long["prompt_token_ids"], [1, 2, 3]])
+    long["prompt_offsets"] = long["prompt_offsets"] + np.array([0, 3, 3, 3, 3])
+
+    def key(lists, buffers):
+        call = _call(handle, lists, ())
+        for field in fields:  # each field at the start of its own buffer, as a client's region
+            sent = call.processors[field].shape
+            view = buffers[field][:int(np.prod(sent))].view(sent)
+            call.processors[field] = DeviceTensor(view, view.dtype, tuple(sent))
+        return processors_in_place.OffsetsLaunch(call, graphed, ("x",)).key()
+
+    buffers = {f: torch.zeros(4096, dtype=torch.from_numpy(np.asarray(short[f])).dtype) for f in fields}
+    assert key(short, buffers) is not None and key(short, buffers) == key(long, buffers)
+    moved = {**buffers, "prompt_offsets": buffers["prompt_offsets"].clone()}
+    assert key(short, moved) != key(short, buffers)
+    moved_ids = {**buffers, "prompt_token_ids": buffers["prompt_token_ids"].clone()}
+    assert key(short, moved_ids) == key(short, buffers)  # the ids' address is staged, not captured

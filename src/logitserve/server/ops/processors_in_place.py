@@ -100,8 +100,9 @@ class OffsetsLaunch:
         self.min_tokens = procs.get(MIN_TOKENS.name) if "stop" in self.lists else None
         self.grammar = procs.get("grammar_bitmask")
         self.row_checks = None if call.device_checks is None else call.device_checks.of_rows()
-        self.logprobs = (_LOGPROBS if call.logprobs is not None else ()) + (("kept_bitmask",) if call.return_kept
-                                                                           else ())
+        # The Logprobs fields the launch returns after the tokens (and the checks' flag).
+        self.logprobs = (*(_LOGPROBS if call.logprobs is not None else ()),
+                         *(("kept_bitmask",) if call.return_kept else ()))
         # Staged after the parameters and the places, by name; read in place: the rest.
         staged: dict[str, HostTensor] = {}
         if self.penalties:
@@ -120,11 +121,13 @@ class OffsetsLaunch:
             if t is not None and not unstaged(t, device):
                 staged[name] = t
         self.staged = staged
-        # Read where they are: the logits and the bitmask in device memory (or copied in from a
-        # page-locked region), every other field in a CUDA region (the rest are staged above).
-        self.fixed = [t for t in (call.logits, self.grammar) if t is not None and unstaged(t, device)] + \
+        # The logits and the bitmask, wherever they are, and the other fields in CUDA regions
+        # (the rest are staged above, as copies); of them, those read where they are: in device
+        # memory or copied in from a page-locked region.
+        self.inputs = [t for t in (call.logits, self.grammar) if t is not None] + \
             [t for t in (*(off for _, off in self.lists.values()), *map(procs.get, _PENALTIES), self.min_tokens)
              if type(t) is DeviceTensor]
+        self.fixed = [t for t in self.inputs if unstaged(t, device)]
         self.places = HostTensor(self._places().tobytes(), torch.int64, (PLACES,))
 
     def _places(self) -> np.ndarray:
@@ -146,7 +149,7 @@ class OffsetsLaunch:
         if self.handle.graphs is None or call.return_kept or (call.logprobs is not None and
                                                               call.logprobs_mode != "raw"):
             return None
-        where = places(self.fixed, call.outputs, self.handle)
+        where = places(self.inputs, call.outputs, self.handle)
         if where is None:
             return None
         features = tuple((name, _kind(value)) for name, value in sorted(self.procs.items()))
