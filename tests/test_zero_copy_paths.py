@@ -45,7 +45,7 @@ class DeviceMemory:
         self.used = 0
         self.leases: list[FakeLease] = []
 
-    def resolve(self, ref, dtype, shape, owner, field, *, writable=False):
+    def resolve(self, ref, dtype, shape, owner, field, *, writable=False, sizes=None):
         assert ref.region == "dev", field
         view = self.bytes[ref.offset:ref.offset + ref.byte_size].view(dtype).view(tuple(shape))
         lease = FakeLease(view)

@@ -30,12 +30,13 @@ class CallRegions:
     reference is resolved: calls without regions never pay for it).
     """
 
-    __slots__ = ("registry", "_owner", "_leases", "_holds", "_finished", "_lock")
+    __slots__ = ("registry", "_owner", "_leases", "_sizes", "_holds", "_finished", "_lock")
 
     def __init__(self, registry, owner=None):
         self.registry = registry
         self._owner = owner
         self._leases: list[RegionLease] = []
+        self._sizes: dict = {}  # each system object's size, as this call's first resolve on it read it
         self._holds = 1  # the handler's
         self._finished = False
         self._lock = threading.Lock()  # launch holds end on the event loop; tests release from threads
@@ -59,7 +60,7 @@ class CallRegions:
     def resolve(self, ref, dtype, shape, field: str, *, writable: bool = False) -> RegionLease:
         """A lease on ``ref`` (see ``RegionRegistry.resolve``; byte_size exactly the tensor's),
         kept until the call's last holder lets go."""
-        lease = self.registry.resolve(ref, dtype, shape, self.owner, field, writable=writable)
+        lease = self.registry.resolve(ref, dtype, shape, self.owner, field, writable=writable, sizes=self._sizes)
         with self._lock:
             if self._holds == 0:  # never: the handler validates before it lets go
                 lease.release()

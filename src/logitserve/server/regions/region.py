@@ -49,15 +49,17 @@ class Region:
         self.base_ptr = 0  # the opened allocation's base
         self.device_bytes = None  # torch uint8 tensor over [base, base + offset + byte_size)
         self.closer = None  # closes the IPC mapping
-        # The views calls resolved, by (start, bytes, dtype, shape): a caller names the same slices
-        # call after call, and a view costs microseconds of torch a tensor (at most VIEWS_KEPT).
-        self.views: dict = {}
+        # The slices calls resolved, checked (CheckedSlice), by what the rules read (offset,
+        # byte_size, dtype, shape, writable, exact): a caller names the same slices call after call,
+        # and checking one, with a CUDA view to make, costs microseconds a tensor (at most SLICES_KEPT).
+        self.slices: dict = {}
 
     def info(self) -> RegionInfo:
         return RegionInfo(self.name, self.kind, self.key, self.offset, self.byte_size, self.device_id, self.leases,
                           self.writable)
 
     def close(self) -> None:
+        self.slices = {}  # a CUDA slice's view keeps the mapping's memory referenced
         if self.kind == SYSTEM:
             buf, mapping, fd, unpin = self.buf, self.mmap, self.fd, self.unpin
             self.buf = self.mmap = self.fd = self.unpin = None
@@ -76,13 +78,23 @@ class Region:
                 os.close(fd)
         else:
             self.device_bytes = None
-            self.views = {}
             closer, self.closer = self.closer, None
             if closer is not None:
                 closer()
 
 
-VIEWS_KEPT = 64  # a region's resolved views kept; past it they are made afresh (a hostile caller's slices)
+SLICES_KEPT = 64  # a region's checked slices kept; past it they are checked afresh (a hostile caller's slices)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedSlice:
+    """A slice of one region that passed every rule holding for the region's life (range,
+    alignment, size, writability): kept with the region and used by every lease on it again."""
+
+    start: int  # into the object (system) or the allocation (CUDA)
+    nbytes: int
+    span: tuple  # the memory it covers (server/regions/overlap.py)
+    view: object  # CUDA: the torch tensor of its dtype and shape on the device; system: None
 
 
 class RegionLease:

@@ -16,7 +16,7 @@ from .names import (CUDA_IPC_HANDLE_BYTES, DEFAULT_MAX_MAPPED_BYTES, DEFAULT_MAX
                     SHM_DIR, SYSTEM, RegionExists, RegionNotFound, kinds_of, shown, check_key, check_key_scope,
                     check_name)
 from .access import SystemSlice, detached_error, shrunk_error
-from .region import VIEWS_KEPT, Region, RegionInfo, RegionLease
+from .region import SLICES_KEPT, CheckedSlice, Region, RegionInfo, RegionLease
 from .system import open_system
 
 
@@ -270,64 +270,87 @@ class RegionRegistry:
     # ---------------------------------------------------------------------------- resolving
 
     def resolve(self, ref, dtype, shape: Sequence[int], owner=None, field: str = "tensor", *,
-                writable: bool = False, exact: bool = True) -> RegionLease:
+                writable: bool = False, exact: bool = True, sizes: dict | None = None) -> RegionLease:
         """A lease on the slice ``ref`` (a ``logitserve.v1.RegionRef``, or anything with
         ``region``, ``offset`` and ``byte_size``) of one of ``owner``'s regions, holding a tensor
         of torch ``dtype`` and ``shape``; ``field`` names the tensor in messages (``logits``,
         ``output_regions[token_ids]``). ``writable``: the slice will be written (an output).
         ``exact``: byte_size must be the tensor's size; False: at least it (Triton's rule for
-        outputs), the lease covering the tensor's bytes from offset.
+        outputs), the lease covering the tensor's bytes from offset. ``sizes``: the system objects'
+        sizes read by this call's resolves so far (``CallRegions``), each object's read once a call.
 
         Raises :class:`RegionNotFound` (no such region of ``owner``) or ``ValueError`` naming
         ``field`` and the rule (range past the region's end, misaligned for ``dtype``, byte_size
         not the tensor's, a read-only region written, a system object shrunk since).
         """
         name, offset, byte_size = ref.region, int(ref.offset), int(ref.byte_size)
+        shape = tuple(shape)
+        key = (offset, byte_size, dtype, shape, writable, exact)
+        with self._lock:
+            region = self._regions.get((owner, name))
+            # A slice this region checked before passes the same rules again: only what may have
+            # changed since (its object's size) is checked per call. A name registered again is
+            # another Region, with none checked yet.
+            checked = None if region is None else region.slices.get(key)
+            if checked is None:
+                checked = self._checked(region, name, offset, byte_size, dtype, shape, field, writable, exact)
+                if len(region.slices) < SLICES_KEPT:
+                    region.slices[key] = checked
+            if region.kind == SYSTEM:
+                # Checked again by every read and write (access.py): the object may shrink later.
+                # Read once per object a call: a call's tensors are often slices of one object, and
+                # each fstat lets go of the event loop's GIL.
+                size = None if sizes is None else sizes.get(region.memory)
+                if size is None:
+                    size = os.fstat(region.fd).st_size
+                    if sizes is not None:
+                        sizes[region.memory] = size
+                if size < region.object_end:
+                    region.detached = region.detached or region.unpin is not None
+                    raise shrunk_error(field, region, size)
+                start, end = checked.start, checked.start + checked.nbytes
+                if region.unpin is not None:  # page-locked: the device's pages may be cut off the object
+                    if region.detached or not region.still_attached(start, end):
+                        region.detached = True
+                        raise detached_error(field, region)
+                mapped = None if region.buf is None else region.buf[offset:offset + checked.nbytes]
+                view = SystemSlice(region, offset, checked.nbytes, field, mapped)
+            else:
+                view = checked.view
+            region.leases += 1
+        return RegionLease(self, region, view, dtype, shape, field, writable, checked.span)
+
+    @staticmethod
+    def _checked(region: Region | None, name: str, offset: int, byte_size: int, dtype, shape: tuple, field: str,
+                 writable: bool, exact: bool) -> CheckedSlice:
+        """Under the lock: the slice of ``region`` (None: ``name`` not registered) that
+        :meth:`resolve` was asked for, once it passes every rule that holds for the region's
+        life; the errors :meth:`resolve` names."""
         itemsize = dtype.itemsize
-        count = math.prod(shape)
-        need = count * itemsize
+        need = math.prod(shape) * itemsize
         if byte_size != need and (exact or byte_size < need):
             rule = "" if exact else "at least "
             raise ValueError(f"{field}.region.byte_size: {byte_size}, but shape {list(shape)} of "
                              f"{str(dtype).removeprefix('torch.')} needs {rule}{need} bytes")
-        with self._lock:
-            region = self._regions.get((owner, name))
-            if region is None:
-                raise RegionNotFound(f"{field}.region: no region {shown(name)} registered (by this caller)")
-            if offset + byte_size > region.byte_size:
-                raise ValueError(f"{field}.region: offset {offset} + byte_size {byte_size} = {offset + byte_size}, "
-                                 f"past the end of region {name!r} ({region.byte_size} bytes)")
-            if (region.offset + offset) % itemsize:
-                where = f" (+ the region's own offset {region.offset})" if region.offset else ""
-                raise ValueError(f"{field}.region.offset: {offset}{where} is not a multiple of the itemsize "
-                                 f"{itemsize} of {str(dtype).removeprefix('torch.')}")
-            if writable and not region.writable:
-                raise ValueError(f"{field}.region: region {name!r} is read-only to the server (its object "
-                                 f"{region.key!r} could not be opened for writing)")
-            start = region.offset + offset
-            if region.kind == SYSTEM:
-                # Checked again by every read and write (access.py): the object may shrink later.
-                size = os.fstat(region.fd).st_size
-                if size < region.object_end:
-                    region.detached = region.detached or region.unpin is not None
-                    raise shrunk_error(field, region, size)
-                if region.unpin is not None:  # page-locked: the device's pages may be cut off the object
-                    if region.detached or not region.still_attached(start, start + need):
-                        region.detached = True
-                        raise detached_error(field, region)
-                mapped = None if region.buf is None else region.buf[offset:offset + need]
-                view = SystemSlice(region, offset, need, field, mapped)
-                span = (region.memory, start, start + need)
-            else:
-                key = (start, need, dtype, tuple(shape))
-                view = region.views.get(key)
-                if view is None:
-                    view = region.device_bytes[start:start + need].view(dtype).view(key[3])
-                    if len(region.views) < VIEWS_KEPT:
-                        region.views[key] = view
-                span = (region.memory, region.base_ptr + start, region.base_ptr + start + need)
-            region.leases += 1
-        return RegionLease(self, region, view, dtype, tuple(shape), field, writable, span)
+        if region is None:
+            raise RegionNotFound(f"{field}.region: no region {shown(name)} registered (by this caller)")
+        if offset + byte_size > region.byte_size:
+            raise ValueError(f"{field}.region: offset {offset} + byte_size {byte_size} = {offset + byte_size}, "
+                             f"past the end of region {name!r} ({region.byte_size} bytes)")
+        if (region.offset + offset) % itemsize:
+            where = f" (+ the region's own offset {region.offset})" if region.offset else ""
+            raise ValueError(f"{field}.region.offset: {offset}{where} is not a multiple of the itemsize "
+                             f"{itemsize} of {str(dtype).removeprefix('torch.')}")
+        if writable and not region.writable:
+            raise ValueError(f"{field}.region: region {name!r} is read-only to the server (its object "
+                             f"{region.key!r} could not be opened for writing)")
+        start = region.offset + offset
+        if region.kind == SYSTEM:
+            return CheckedSlice(start, need, (region.memory, start, start + need), None)
+        # A view costs microseconds of torch: made once per slice, kept with it.
+        view = region.device_bytes[start:start + need].view(dtype).view(shape)
+        return CheckedSlice(start, need, (region.memory, region.base_ptr + start, region.base_ptr + start + need),
+                            view)
 
     def _release(self, region: Region) -> None:
         with self._lock:
