@@ -187,7 +187,7 @@ def alice(tmp_path_factory):
     from test_zero_copy import Caller, start_server
     from test_zero_copy_cuda import DeviceArena
 
-    with start_server(tmp_path_factory.mktemp("pip-cuda"), "--max-region-bytes", str(64 << 20), device=DEVICE,
+    with start_server(tmp_path_factory.mktemp("pip-cuda"), "--max-region-bytes", str(128 << 20), device=DEVICE,
                       backend="triton", start_timeout=900) as server:
         c = Caller(server.target, "alice")
         c.arena = DeviceArena(c, "dev", nbytes=32 << 20)
