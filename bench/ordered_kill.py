@@ -17,7 +17,10 @@ Timeline: the survivor alone, the victim starting, both decoding, the kill; then
 opens a session in a loop until the server has let the victim's go (``--max-ordered-sessions 2``:
 until then it is refused), which is the release time. The server's device memory
 (``nvidia-smi``'s figure for its process) is read alone, with both, after the release and after
-the survivor's session closed too (the marks of closed sessions are freed only then). The
+the survivor's session closed too (the marks of closed sessions are freed only then).
+``--victims 2`` (the default) starts and kills a second victim after the first's release: memory
+that rises again after it is held for good (a leak), memory that does not is the caching
+allocator's, reused. The
 report gives the survivor's step times (median, p99, max) in each window: a kill that stalled
 the server's other work would show in the window right after it.
 """
@@ -153,9 +156,35 @@ def _await_line(process: subprocess.Popen, line: str, what: str) -> None:
         raise RuntimeError(f"{what} printed {got!r} (exit {process.poll()}), not {line!r}")
 
 
-def orchestrate(args) -> dict:
+def _kill(target: str, doomed: subprocess.Popen) -> tuple[float, float, float, str | None]:
+    """SIGKILL ``doomed`` mid-decode; (kill, reaped, released) monotonic times and the refusal a
+    third session got while both held theirs (None: it was not refused)."""
     from logitserve.client import Client, LogitServeError
 
+    with Client(target, timeout=60) as client:
+        with_both = None
+        try:
+            client.ordered_session().close()
+        except LogitServeError as exc:
+            with_both = str(exc)[:160]
+        kill = time.monotonic()
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(30)
+        reaped = time.monotonic()  # a CUDA process's exit (its driver state torn down) takes a while
+        while True:
+            try:
+                session = client.ordered_session()
+                break
+            except LogitServeError:
+                if time.monotonic() - kill > 30:
+                    raise RuntimeError("the killed victim's session was not let go within 30 s")
+                time.sleep(0.002)
+        released = time.monotonic()
+        session.close()
+    return kill, reaped, released, with_both
+
+
+def orchestrate(args) -> dict:
     from .servers import ServerSpec, running, serve_argv
 
     flags = ["--device", DEVICE, "--warmup-widths", "128256", "--warmup-dtypes", "float32",
@@ -163,6 +192,7 @@ def orchestrate(args) -> dict:
     marks: dict[str, float] = {}
     memory: dict[str, float | None] = {}
     quiet: list[tuple[float, float]] = []
+    releases: list[float] = []
     with running(ServerSpec("server", serve_argv(*flags)), 300) as server:
         memory["server_idle"] = server_mib(server.pid, quiet)
         keep = _spawn("survivor", server.target, args)
@@ -170,35 +200,25 @@ def orchestrate(args) -> dict:
         marks["survivor_decoding"] = time.monotonic()
         time.sleep(args.window_s)
         memory["survivor_only"] = server_mib(server.pid, quiet)
-        marks["victim_started"] = time.monotonic()
-        doomed = _spawn("victim", server.target, args)
-        _await_line(doomed, "decoding", "the victim")
-        marks["victim_decoding"] = time.monotonic()
-        time.sleep(args.window_s)
-        memory["both"] = server_mib(server.pid, quiet)
-        with Client(server.target, timeout=60) as client:
-            with_both = None
-            try:
-                client.ordered_session().close()
-            except LogitServeError as exc:
-                with_both = str(exc)[:160]
-            marks["kill"] = time.monotonic()
-            doomed.send_signal(signal.SIGKILL)
-            doomed.wait(30)
-            marks["reaped"] = time.monotonic()  # a CUDA process's exit (its driver state torn down) takes a while
-            while True:
-                try:
-                    session = client.ordered_session()
-                    break
-                except LogitServeError:
-                    if time.monotonic() - marks["kill"] > 30:
-                        raise RuntimeError("the killed victim's session was not let go within 30 s")
-                    time.sleep(0.002)
-            marks["released"] = time.monotonic()
-            session.close()
-        time.sleep(args.window_s)
-        memory["after_release"] = server_mib(server.pid, quiet)
-        marks["end"] = time.monotonic()
+        for victim in range(1, args.victims + 1):
+            # The first victim's windows are timed; each victim's release and the memory after it
+            # are kept, so that a second one tells memory held for good from the allocator's cache.
+            first = victim == 1
+            marks["victim_started" if first else f"victim_{victim}_started"] = time.monotonic()
+            doomed = _spawn("victim", server.target, args)
+            _await_line(doomed, "decoding", "the victim")
+            marks["victim_decoding" if first else f"victim_{victim}_decoding"] = time.monotonic()
+            time.sleep(args.window_s)
+            memory["both" if first else f"both_{victim}"] = server_mib(server.pid, quiet)
+            kill, reaped, released, with_both = _kill(server.target, doomed)
+            if first:
+                marks.update(kill=kill, reaped=reaped, released=released)
+                third = with_both
+            releases.append(released - kill)
+            time.sleep(args.window_s)
+            memory["after_release" if first else f"after_release_{victim}"] = server_mib(server.pid, quiet)
+            if first:
+                marks["end"] = time.monotonic()
         keep.stdin.close()
         result = json.loads(keep.stdout.readline())
         keep.wait(60)
@@ -215,8 +235,8 @@ def orchestrate(args) -> dict:
     during = np.concatenate([np.diff(stamps)[(stamps[1:] >= a) & (stamps[1:] < b)] for a, b in quiet]) * 1e3
     windows["during_nvidia_smi"] = dict(steps=int(during.size), max_ms=float(during.max()) if during.size else None)
     return dict(batch=args.batch, step_ms=args.step_ms, survivor_layers=result["layers"],
-                survivor_forward_ms=result["forward_ms"], third_session_with_both=with_both,
-                victim_exited_after_s=marks["reaped"] - marks["kill"], released_after_s=marks["released"] - marks["kill"],
+                survivor_forward_ms=result["forward_ms"], third_session_with_both=third,
+                victim_exited_after_s=marks["reaped"] - marks["kill"], released_after_s=marks["released"] - marks["kill"], releases_s=releases,
                 server_mib=memory, windows=windows)
 
 
@@ -225,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--window-s", type=float, default=3.0, help="seconds of each window")
+    parser.add_argument("--victims", type=int, default=2, help="victims started and killed in turn (the first's "
+                        "windows timed; a second's memory tells a leak from the allocator's cache)")
     parser.add_argument("--role", choices=("survivor", "victim"), help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--out", help="write the report (JSON) here too")
