@@ -7,6 +7,10 @@ its rows ask: where no row sets top_k, top_p or min_p, the filters go to the ker
 (scalars), which skips their launches (``kernels.verify``: the candidate gather and the
 thresholds) and the filtered walk; calls with and without filters batch apart (``key``).
 
+Per-row parameters in CUDA regions are read on a worker thread before the call queues
+(:meth:`VerifyDraftCall.checked`, as Sample's are): a copy from the device waits for it, which
+the event loop must not.
+
 A lone call whose tensors are all in the client's device memory (or page-locked regions)
 replays a CUDA graph, as Sample's does (server/ops/resident.py: keyed by the places, captured on
 a key's second use); other batches launch eagerly on the device's launch thread.
@@ -31,7 +35,8 @@ from .batching import split
 from .limits import Limits, answer_bytes
 from .resident import Outputs, column_stage, device_inputs, graph_key, launches_in_place, on_device
 from .sample import WIRE_FILTER_ORDERS
-from .sample_params import draw_seeds, param_rows, wire_param
+from .processor_checks import off_loop
+from .sample_params import DeviceRows, draw_seeds, param_rows, read_device_rows, take_device_rows, wire_param
 
 # The packed per-row columns, as the launch passes them to kernels.verify: float32, then int64.
 FLOAT_COLUMNS = (TEMPERATURE.name, TOP_P.name, MIN_P.name, DRAFT_TEMPERATURE.name)
@@ -68,6 +73,7 @@ class VerifyDraftCall:
     outputs: Outputs | None = None
     regions: object = None
     answer_size: int = 0  # the answer's message size (limits.answer_bytes)
+    device_rows: dict[str, DeviceRows] | None = None  # per-row parameters still in CUDA regions (checked reads them)
 
     op = "verify_draft"
 
@@ -98,8 +104,9 @@ class VerifyDraftCall:
             _check_ids(ids, vocab, f"{path}draft_token_ids")
         if msg.filter_order not in WIRE_FILTER_ORDERS:
             raise ValueError(f"{path}filter_order: unknown value {msg.filter_order}")
-        values = {p.name: wire_param(msg, p, rows, path, regions)
+        values = {p.name: wire_param(msg, p, rows, path, regions, device_rows=True)
                   for p in (SEED, TEMPERATURE, TOP_K, TOP_P, MIN_P, STEP, DRAFT_TEMPERATURE)}
+        device_rows = take_device_rows(values) or None
         if values["seed"] is None:
             values["seed"] = draw_seeds(rows)
         shapes = _shapes(rows, n)
@@ -107,7 +114,15 @@ class VerifyDraftCall:
         size = answer_bytes(pb.VerifyDraftResponse, shapes, outputs)
         limits.check_answer(f"{path}target_logits", size)
         return cls(ids, draft, from_logits, target, values, WIRE_FILTER_ORDERS[msg.filter_order], outputs, regions,
-                   size)
+                   size, device_rows)
+
+    async def checked(self) -> None:
+        """The per-row parameters in CUDA regions read and checked on a worker thread
+        (``ValueError`` naming the field, the row and the rule): the batcher awaits this before it
+        queues the call, whose key (``filtered``) reads them."""
+        if self.device_rows is not None:
+            self.values.update(await off_loop(read_device_rows, self.device_rows))
+            self.device_rows = None
 
     @property
     def inputs(self) -> tuple:
