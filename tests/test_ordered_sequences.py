@@ -3,7 +3,7 @@ path, and a stand-in launch thread whose "device" stores each step's tokens wher
 append would (tests/test_ordered_cuda.py runs the real launch). What is checked is the host's
 part: a step's rows held from its enqueue until it is done (no other call draws them), its
 tokens counted then (output, step, last draw), and a session's next draw by sequence ids
-enqueued only once the step before it is done."""
+answered at once but enqueued only once the step before it is done."""
 
 from __future__ import annotations
 
@@ -83,12 +83,13 @@ def test_a_draw_by_sequence_ids_holds_its_rows_until_done_and_counts_its_tokens_
             seq_table.check_open(seqs)  # another call, of this caller or not, waits its turn
         assert [(s.step, s.output_len) for s in seqs] == [(0, 0), (0, 0)]
 
-        second = asyncio.ensure_future(enqueue_sample(table, session, _sequence_call(seq_table, seqs), 2))
+        # The next call returns at once, promised: its step waits on the host for the first's count.
+        await asyncio.wait_for(enqueue_sample(table, session, _sequence_call(seq_table, seqs), 2), 1)
         await asyncio.sleep(0.02)
-        assert not second.done() and [m for m, _ in handle.steps] == [1]  # its state is the first's result
+        assert [m for m, _ in handle.steps] == [1]  # its state is the first's result: not enqueued yet
 
         handle.pass_step(session, 1)
-        await asyncio.wait_for(second, 2)
+        await _until(lambda: len(handle.steps) == 2)
         assert handle.steps[1] == (2, [1, 1])  # enqueued after the first was counted, at the next step
         assert [s.outputs().tolist() for s in seqs] == [[3], [4]] and [s.last.token for s in seqs] == [3, 4]
 
@@ -132,5 +133,26 @@ def test_sequences_closed_during_a_step_and_a_faulted_step_leave_nothing_counted
         await enqueue_sample(table, session, _sequence_call(seq_table, seqs[1:]), 2)
         session.pending[0].retired(False)  # as retire_all does for a faulted context
         assert seqs[1].ordered is None and seqs[1].step == 1 and seqs[1].outputs().tolist() == [4]
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_a_promised_draw_whose_sequence_closed_meanwhile_ends_the_session_with_the_reason(sessions):
+    """The next draw, promised while the step before is on the GPU, is enqueued when that step is
+    done; a sequence of it closed in between cannot be drawn: the session ends, saying why."""
+    async def scenario():
+        seq_table = SequenceTable(SequenceBounds(64, 1 << 20), idle_s=60, device=torch.device("cpu"))
+        seqs = await open_specs(seq_table, [pb.SequenceSpec(id=i, seed=i) for i in (1, 2)], None, VOCAB)
+        handle = SequenceHandle([[3, 4], [5, 6]])
+        table = SessionTable(handle, 4, 4, wait_timeout_s=5)
+        session = await table.open(None, 0, 0)
+
+        await enqueue_sample(table, session, _sequence_call(seq_table, seqs), 1)
+        await asyncio.wait_for(enqueue_sample(table, session, _sequence_call(seq_table, seqs), 2), 1)
+        assert seq_table.close(None, [2]) == [2]
+        handle.pass_step(session, 1)
+        await _until(lambda: session.ended is not None)
+        assert "enqueueing mark 2 failed" in session.ended and "sequence 2 was closed" in session.ended
+        assert [m for m, _ in handle.steps] == [1] and seqs[0].ordered is None
 
     asyncio.run(asyncio.wait_for(scenario(), 10))

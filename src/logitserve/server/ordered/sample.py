@@ -8,7 +8,9 @@ read on the host after the mark (per-row sampling parameters in CUDA regions, wh
 reads on the host: before the mark they would be the caller's previous values) or answer from
 the device (logprobs, the kept set). A draw by sequence ids is taken (:func:`_enqueue_sequence_step`):
 its rows are held from its enqueue until it is done, when its tokens are counted on the host, and
-a session's next step follows only a done one (its rows' outputs and steps are the host's count). Logits processors are taken with every tensor field in a CUDA
+a session's next step follows only a done one (its rows' outputs and steps are the host's count):
+a call for it while the step before is on the GPU is promised and answered at once, the step
+enqueued by the session's top-ups once the one before is done. Logits processors are taken with every tensor field in a CUDA
 region (a copy of host bytes to the device would wait for the session's stream, and with it for
 the caller's mark, holding the launch thread every caller shares): their checks run after the
 step's ``done`` on copies of the fields, their flag is read once the step is done, and a broken
@@ -72,14 +74,17 @@ async def enqueue_sample(table, session: OrderedSession, call: SampleCall, mark:
     """Enqueue ``call`` as step ``mark`` of ``session`` (of ``table``), serving ``repeat`` marks
     from there (OrderedMark.repeat); returns once the launch thread has enqueued its first mark
     (the device is not waited for), the next ones following as the session has room (:func:`fill`);
-    a call for a later mark than the next to enqueue returns at once, its marks all the top-ups'.
+    a call for a later mark than the next to enqueue returns at once, its marks all the top-ups',
+    as does a draw by sequence ids while the session's step before it is on the GPU.
     ``SessionEnded`` / ``MarkEnqueued`` / ``ValueError`` as the session's checks say; waits (the
     caller's deadline applies) while the session holds its ``max_steps_ahead`` unfinished steps.
 
     Once the launch thread has a step, it is the session's whatever the caller does: a caller
     cancelled meanwhile leaves, and the step still joins the session's pending ones (its leases
     released once the device is done with it), as its mark is on the GPU by then. A call that
-    fails before its first mark is enqueued changes nothing of the session."""
+    fails before its first mark is enqueued changes nothing of the session; a promised mark that
+    cannot be enqueued when its turn comes (a sequence closed meanwhile, say) ends the session,
+    with the reason (:func:`fill`)."""
     await call.checked()  # processor fields as bytes or in system regions, off the loop (as the batcher does)
     if call.sequences is not None:  # its answer's seeds, before any step of it is enqueued
         call.seed = [seq.params.seed for seq in call.sequences.sequences]
@@ -90,6 +95,12 @@ async def enqueue_sample(table, session: OrderedSession, call: SampleCall, mark:
             # Ahead of the GPU (rows to change a few steps on): promised at once, enqueued by the
             # top-ups as steps finish. Waiting here for room would hold the caller, whose ready
             # marks for the steps before are what makes room.
+            session.promise(call, mark, repeat, enqueued=False)
+        elif call.sequences is not None and session.pending:
+            # A draw by sequence ids follows only a done step (room_for): promised now and enqueued
+            # by the top-ups once the step before is done. Waiting for that here would hold the
+            # answer a forward, and the caller's next call (sent after it) would arrive after the
+            # step it follows was done: its whole round trip between two forwards.
             session.promise(call, mark, repeat, enqueued=False)
         else:
             await session.wait_for_room(room_for(session, call))
