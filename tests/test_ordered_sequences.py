@@ -61,6 +61,16 @@ def _sequence_call(seq_table: SequenceTable, sequences) -> SampleCall:
     return call
 
 
+async def _two_sequences_in_a_session():
+    """Sequences 1 and 2 (seeds 1, 2) open in a real table, and an ordered session whose stand-in
+    device draws [3, 4] then [5, 6]: (sequence table, sequences, handle, session table, session)."""
+    seq_table = SequenceTable(SequenceBounds(64, 1 << 20), idle_s=60, device=torch.device("cpu"))
+    seqs = await open_specs(seq_table, [pb.SequenceSpec(id=i, seed=i) for i in (1, 2)], None, VOCAB)
+    handle = SequenceHandle([[3, 4], [5, 6]])
+    table = SessionTable(handle, 4, 4, wait_timeout_s=5)
+    return seq_table, seqs, handle, table, await table.open(None, 0, 0)
+
+
 @pytest.fixture
 def sessions(monkeypatch):
     monkeypatch.setattr(table_module, "POLL_S", 0.001)
@@ -116,11 +126,7 @@ def test_sequences_closed_during_a_step_and_a_faulted_step_leave_nothing_counted
     sequence, and the table holds nothing for it after. A step whose device faulted counts
     nothing and lets its rows go."""
     async def scenario():
-        seq_table = SequenceTable(SequenceBounds(64, 1 << 20), idle_s=60, device=torch.device("cpu"))
-        seqs = await open_specs(seq_table, [pb.SequenceSpec(id=i, seed=i) for i in (1, 2)], None, VOCAB)
-        handle = SequenceHandle([[3, 4], [5, 6]])
-        table = SessionTable(handle, 4, 4, wait_timeout_s=5)
-        session = await table.open(None, 0, 0)
+        seq_table, seqs, handle, table, session = await _two_sequences_in_a_session()
 
         await enqueue_sample(table, session, _sequence_call(seq_table, seqs), 1)
         assert seq_table.close(None, [1]) == [1]
@@ -141,11 +147,7 @@ def test_a_promised_draw_whose_sequence_closed_meanwhile_ends_the_session_with_t
     """The next draw, promised while the step before is on the GPU, is enqueued when that step is
     done; a sequence of it closed in between cannot be drawn: the session ends, saying why."""
     async def scenario():
-        seq_table = SequenceTable(SequenceBounds(64, 1 << 20), idle_s=60, device=torch.device("cpu"))
-        seqs = await open_specs(seq_table, [pb.SequenceSpec(id=i, seed=i) for i in (1, 2)], None, VOCAB)
-        handle = SequenceHandle([[3, 4], [5, 6]])
-        table = SessionTable(handle, 4, 4, wait_timeout_s=5)
-        session = await table.open(None, 0, 0)
+        seq_table, seqs, handle, table, session = await _two_sequences_in_a_session()
 
         await enqueue_sample(table, session, _sequence_call(seq_table, seqs), 1)
         await asyncio.wait_for(enqueue_sample(table, session, _sequence_call(seq_table, seqs), 2), 1)

@@ -63,11 +63,11 @@ def _request(**rows_fields: torch.Tensor) -> pb.SampleRequest:
     return msg
 
 
-def _parsed_then_checked(msg, regions) -> tuple[SampleCall, threading.Thread]:
-    """``from_pb`` and ``checked`` as the server runs them: both on the loop's thread, the checks'
-    reads where ``checked`` puts them."""
+def _parsed_then_checked(msg, regions, op=SampleCall) -> tuple[SampleCall, threading.Thread]:
+    """``op.from_pb`` and ``checked`` as the server runs them: both on the loop's thread, the
+    checks' reads where ``checked`` puts them."""
     async def run():
-        call = SampleCall.from_pb(msg, Limits(64, 1024), regions=regions)
+        call = op.from_pb(msg, Limits(64, 1024), regions=regions)
         parsed.append(call)
         await call.checked()
         return threading.current_thread()

@@ -5,35 +5,16 @@ test_processors_path_device_rows resolve each reference to a "CUDA" lease over a
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import numpy as np
 import pytest
 import torch
-from test_processors_path_device_rows import _DeviceRegions
+from test_processors_path_device_rows import _DeviceRegions, _parsed_then_checked, reads  # noqa: F401 (a fixture)
 
 from logitserve.client import messages
-from logitserve.server.ops.limits import Limits
 from logitserve.server.ops.verify_draft import VerifyDraftCall
-from logitserve.server.tensors import DeviceTensor
 from logitserve.v1 import logitserve_pb2 as pb
 
 ROWS, N, VOCAB = 3, 2, 16
-
-
-@pytest.fixture
-def reads(monkeypatch):
-    """The threads DeviceTensor.tolist runs on (the copy to the host)."""
-    threads = []
-    tolist = DeviceTensor.tolist
-
-    def recorded(self):
-        threads.append(threading.current_thread())
-        return tolist(self)
-
-    monkeypatch.setattr(DeviceTensor, "tolist", recorded)
-    return threads
 
 
 def _request(**rows_fields: torch.Tensor) -> pb.VerifyDraftRequest:
@@ -49,24 +30,11 @@ def _request(**rows_fields: torch.Tensor) -> pb.VerifyDraftRequest:
     return msg
 
 
-def _parsed_then_checked(msg, regions) -> tuple[VerifyDraftCall, threading.Thread]:
-    """``from_pb`` and ``checked`` as the server runs them, both on the loop's thread."""
-    async def run():
-        call = VerifyDraftCall.from_pb(msg, Limits(64, 1024), regions=regions)
-        parsed.append(call)
-        await call.checked()
-        return threading.current_thread()
-
-    parsed = []
-    loop_thread = asyncio.run(run())
-    return parsed[0], loop_thread
-
-
 def test_device_rows_are_read_off_the_loop_and_decide_the_key(reads):
     top_k = torch.tensor([0, 5, 0])
     seeds = torch.tensor([11, 2**62, 3])
     call, loop_thread = _parsed_then_checked(_request(top_k_rows=top_k, seed_rows=seeds),
-                                             _DeviceRegions(top_k_rows=top_k, seed_rows=seeds))
+                                             _DeviceRegions(top_k_rows=top_k, seed_rows=seeds), VerifyDraftCall)
     assert len(reads) == 2 and loop_thread not in reads
     assert call.values["top_k"] == [0, 5, 0] and call.seeds() == [11, 2**62, 3]
     assert call.filtered  # read from the rows: a row sets top_k 5
@@ -77,4 +45,4 @@ def test_device_rows_are_read_off_the_loop_and_decide_the_key(reads):
 def test_a_bad_device_row_is_named_by_its_checks():
     top_p = torch.tensor([0.5, 1.5, 1.0])
     with pytest.raises(ValueError, match=r"^top_p_rows\[1\]: must be .*got 1.5$"):
-        _parsed_then_checked(_request(top_p_rows=top_p), _DeviceRegions(top_p_rows=top_p))
+        _parsed_then_checked(_request(top_p_rows=top_p), _DeviceRegions(top_p_rows=top_p), VerifyDraftCall)
