@@ -2,8 +2,8 @@
 # Issue 45's figures on the lent GPU machine: a call's host path, each step one bench. Results
 # (JSON, tables, logs) land in $OUT (or ./gpu-results).
 #   run: bash scripts/gpu_host.sh [lone|profile|channel|processors ...]   (carry .whl: iceoryx2,
-#   health, reflection; and, for `lone`, the baseline's tree in .gpu/b45/src: issue 45's "today",
-#   3ba2b80, laid out as src/logitserve/ by hand, since that commit predates the src layout)
+#   health, reflection; and, for `lone`, the baseline's tree: issue 45's "today", made here with
+#   `bash scripts/tree_at.sh 3ba2b80 .gpu/b45` and carried as .gpu/b45)
 #   lone:       bench.lone_call compare, baseline against this tree (RouteExperts 1x8 and Sample
 #               1x32000 over gRPC and the channel: p50, p99, server CPU a call), about 4 minutes
 #   profile:    bench.processors_service with the server's threads sampled (bench.stack_profile):
