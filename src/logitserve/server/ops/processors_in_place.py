@@ -48,9 +48,8 @@ from logitserve.kernels.sampling.processors import TABLE_LISTS
 from ..engine.staging import Staging, to_host
 from ..tensors import DeviceTensor, HostTensor
 from .resident import launches_in_place, on_device, places, unstaged
-from .sample_processors import checked_reads
+from .sample_processors import LOGPROBS_FIELDS, checked_reads
 
-_LOGPROBS = ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs")
 _PENALTIES = tuple(PENALTY_PARAMS)
 
 
@@ -100,9 +99,10 @@ class OffsetsLaunch:
         self.min_tokens = procs.get(MIN_TOKENS.name) if "stop" in self.lists else None
         self.grammar = procs.get("grammar_bitmask")
         self.row_checks = None if call.device_checks is None else call.device_checks.of_rows()
-        # The Logprobs fields the launch returns after the tokens (and the checks' flag).
-        self.logprobs = (*(_LOGPROBS if call.logprobs is not None else ()),
-                         *(("kept_bitmask",) if call.return_kept else ()))
+        # The Logprobs fields the launch returns after the tokens (and the checks' flag): the
+        # kept set's with return_kept, the others' with logprobs.
+        self.logprobs = tuple(name for name in LOGPROBS_FIELDS
+                              if (call.return_kept if name == "kept_bitmask" else call.logprobs is not None))
         # Staged after the parameters and the places, by name; read in place: the rest.
         staged: dict[str, HostTensor] = {}
         if self.penalties:
@@ -217,7 +217,7 @@ class OffsetsLaunch:
             return tokens, flag, None
         got = dict(zip(self.logprobs, rest))
         return tokens, flag, tuple(torch.from_numpy(got[name]) if name in got else None
-                                   for name in (*_LOGPROBS, "kept_bitmask"))
+                                   for name in LOGPROBS_FIELDS)
 
 
 def _host_rows(value, read) -> np.ndarray | float | int:

@@ -24,7 +24,7 @@ from .processor_checks import BulkChecks, off_loop
 from .resident import Outputs, column_stage, device_inputs, graph_key, launches_in_place, on_device
 from .sample_params import DeviceRows, Param, draw_seeds, param_rows, read_device_rows, take_device_rows, wire_param
 from .processors_in_place import run_with_table, takes_table
-from .sample_processors import launch_processed
+from .sample_processors import LOGPROBS_FIELDS, launch_processed
 from .sample_processors import parse as parse_processors
 
 # The wire's filter orders by enum value, unset meaning the first (the kernels' default).
@@ -33,8 +33,9 @@ WIRE_FILTER_ORDERS = {pb.FILTER_ORDER_UNSPECIFIED: FILTER_ORDERS[0],
 
 # The order from_pb checks the parameters in, which names the first broken one: seed, then the
 # table's order.
-LOGPROBS_FIELDS = ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")
 _CHECKED = (SEED, *(p for p in SAMPLING_PARAMS.values() if p is not SEED))
+
+
 def _any_nonzero(value: Param) -> bool:
     return any(v != 0 for v in value) if isinstance(value, list) else value != 0
 

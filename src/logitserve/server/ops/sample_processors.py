@@ -180,11 +180,15 @@ def checked_reads(call) -> Reads:
     return Reads()
 
 
+# A Sample answer's logprobs fields, in the order the answer takes them (Logprobs' attributes;
+# kept_bitmask with return_kept).
+LOGPROBS_FIELDS = ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs", "kept_bitmask")
+
+
 def logprobs_on_host(lp) -> tuple | None:
     """A launch's ``Logprobs`` as the answer takes them: ``(token_logprobs, token_ranks,
     top_token_ids, top_logprobs, kept_bitmask)``, each copied to the host (valid once the
     launch's stream is done) or None; None without logprobs."""
     if lp is None:
         return None
-    return tuple(None if t is None else to_host(t) for t in (lp.token_logprobs, lp.token_ranks, lp.top_token_ids,
-                                                                lp.top_logprobs, lp.kept_bitmask))
+    return tuple(None if t is None else to_host(t) for t in (getattr(lp, name) for name in LOGPROBS_FIELDS))
