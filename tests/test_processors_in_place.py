@@ -63,15 +63,20 @@ def handle():
 
 def _lists(gen) -> dict:
     """Every list kind the table holds, int64 (row 1's lists all empty), float32 bias values, a
-    grammar bitmask, per-row penalties and min_tokens."""
+    grammar bitmask, per-row penalties and min_tokens. Each kind has an id somewhere: one empty
+    over the whole batch would be sent as its offsets alone, another call's shape."""
     kw = features(ROWS, VOCAB, gen)
     for name, ids_name in IDS.items():
         off_name = ids_name.replace("_token_ids", "_offsets").replace("_ids", "_offsets")
         ids, offsets = kw[ids_name], kw[off_name]
         rows = [ids[offsets[r]:offsets[r + 1]].tolist() if r != 1 else [] for r in range(ROWS)]
+        if not any(rows):  # features() drew every row empty (a few runs in a hundred)
+            rows[0] = [int(torch.randint(0, VOCAB, (), generator=gen))]
         if name == "logit_bias":
             values = [kw["logit_bias_values"][offsets[r]:offsets[r + 1]].tolist() if r != 1 else []
                       for r in range(ROWS)]
+            if len(values[0]) < len(rows[0]):  # the id given above: its bias
+                values[0] = [1.5]
             kw["logit_bias_values"] = torch.tensor([v for row in values for v in row], dtype=torch.float32)
         kw[ids_name], kw[off_name] = ragged(rows)
     kw["min_tokens"] = torch.tensor([0, 3, 40, 2])
