@@ -41,6 +41,7 @@ import time
 import numpy as np
 
 from .servers import ServerSpec, running_all, serve_argv
+from .trees import tree_env
 
 SERVER_FLAGS = ("--max-delay-us", "0", "--warmup-dtypes", "float32")
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -137,22 +138,13 @@ def _timed(call, pid: int, seconds: float) -> dict:
                 server_cpu_us_per_call=cpu / len(ns) * 1e6)
 
 
-def _tree_env(src: str) -> dict:
-    """This environment with ``src`` first on PYTHONPATH in place of this checkout's own src/ (the
-    other entries stay: the lent GPU machine's wheels are found there, scripts/device_env.sh)."""
-    own = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-            if p and os.path.abspath(p) != own]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(src), *kept]))
-
-
 def compare(args) -> dict:
     from logitserve.client import Client
 
     trees = {"before": args.before, "after": args.after}
     result = {"turns": {}, "rounds": []}
     for label, src in trees.items():
-        env = _tree_env(src)
+        env = tree_env(src)
         out = subprocess.run([sys.executable, "-m", "bench.lone_call", "turns", "--calls", str(args.turn_calls),
                               "--device", args.device, "--backend", args.backend],
                              env=env, check=True, capture_output=True, text=True).stdout
@@ -160,7 +152,7 @@ def compare(args) -> dict:
         print(f"# turns {label}: " + ", ".join(f"{k} {v['median']}" for k, v in result["turns"][label].items()),
               file=sys.stderr, flush=True)
     specs = [ServerSpec(f"{label} poll {poll}", serve_argv(*_flags(args), "--busy-poll-us", str(poll)),
-                        env=_tree_env(src))
+                        env=tree_env(src))
              for poll in (2000, 0) for label, src in trees.items()]
     with running_all(specs, 600) as servers, contextlib.ExitStack() as stack:
         clients = {(spec.label, t): stack.enter_context(Client(server.target, timeout=60, channel=t))

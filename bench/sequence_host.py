@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
-import subprocess
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from .trees import ROOT, interleaved, table
+
 VOCAB = 128256
 
 
@@ -63,13 +61,6 @@ async def _measure(batch: int, calls: int) -> float:
     return statistics.median(times[3:])
 
 
-def _one_round(tree: pathlib.Path, batch: int, calls: int) -> float:
-    env = dict(os.environ, PYTHONPATH=f"{tree / 'src'}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "bench.sequence_host", "--measure", "--batch", str(batch),
-                          "--calls", str(calls)], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.splitlines()[-1])["us"]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trees", nargs="+", type=pathlib.Path, default=[ROOT])
@@ -83,14 +74,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps({"us": asyncio.run(_measure(args.batch, args.calls))}))
         return 0
-    rounds: list[list[float]] = [[] for _ in args.trees]
-    for _ in range(args.rounds):
-        for i, tree in enumerate(args.trees):
-            rounds[i].append(_one_round(tree, args.batch, args.calls))
+    figures = interleaved("bench.sequence_host", args.trees, args.rounds,
+                          ["--batch", str(args.batch), "--calls", str(args.calls)])
     print(f"host work of a {args.batch}-row Sample by sequence ids, us per call (median of {args.rounds} rounds of "
           f"{args.calls} calls' medians)")
-    for tree, values in zip(args.trees, rounds):
-        print(f"| {tree} | {statistics.median(values):,.0f} | {' '.join(f'{v:.0f}' for v in values)} |")
+    print("\n".join(table(args.trees, figures)))
     return 0
 
 

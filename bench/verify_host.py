@@ -22,11 +22,10 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
-import sys
 import uuid
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from .trees import ROOT, interleaved, table
+
 VOCAB = 128256
 SHM_DIR = "/dev/shm"
 
@@ -99,14 +98,6 @@ def _measure(batch: int, n: int, calls: int, object_per_tensor: bool) -> float:
             os.unlink(os.path.join(SHM_DIR, key))
 
 
-def _one_round(tree: pathlib.Path, batch: int, n: int, calls: int, object_per_tensor: bool) -> float:
-    env = dict(os.environ, PYTHONPATH=f"{tree / 'src'}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "bench.verify_host", "--measure", "--batch", str(batch), "--n",
-                          str(n), "--calls", str(calls)] + ["--object-per-tensor"] * object_per_tensor, env=env,
-                         cwd=ROOT, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.splitlines()[-1])["us"]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trees", nargs="+", type=pathlib.Path, default=[ROOT])
@@ -121,16 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure:
         print(json.dumps({"us": _measure(args.batch, args.n, args.calls, args.object_per_tensor)}))
         return 0
-    rounds: list[list[float]] = [[] for _ in args.trees]
-    for _ in range(args.rounds):
-        for i, tree in enumerate(args.trees):
-            rounds[i].append(_one_round(tree, args.batch, args.n, args.calls, args.object_per_tensor))
+    figures = interleaved("bench.verify_host", args.trees, args.rounds,
+                          ["--batch", str(args.batch), "--n", str(args.n), "--calls", str(args.calls)]
+                          + ["--object-per-tensor"] * args.object_per_tensor)
     objects = "an object each" if args.object_per_tensor else "one object"
     print(f"host parse of a VerifyDraft B {args.batch} n {args.n}, every tensor in a system region ({objects}), "
           f"us per call "
           f"(median of {args.rounds} rounds of {args.calls} calls' medians)")
-    for tree, values in zip(args.trees, rounds):
-        print(f"| {tree} | {statistics.median(values):,.1f} | {' '.join(f'{v:.0f}' for v in values)} |")
+    print("\n".join(table(args.trees, figures, digits=1)))
     return 0
 
 
