@@ -210,6 +210,46 @@ def test_the_launch_threads_outcome_reaches_its_caller_in_three_callbacks(turns)
     assert value == 7 and spent == 3 and not busy
 
 
+def test_an_eager_launch_runs_on_the_loop_when_polled_and_on_the_launch_thread_otherwise():
+    """A batch holding every call in the server (Wait.POLL) has no one to let in meanwhile: its
+    eager launch (the CPU, no graph) runs on the loop, saving the two hand-overs; otherwise on the
+    launch thread, while the loop receives the next batch's calls. Same outputs either way."""
+    from logitserve.server.engine.device import _wait
+    from logitserve.server.engine.staging import Staging
+    from logitserve.server.tensors import HostTensor
+
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    threads = []
+
+    def stage_for(rows):
+        stage = Staging()
+        stage.add([HostTensor.of(torch.from_numpy(values))])
+        return stage
+
+    def launch(x):
+        threads.append(threading.current_thread().name)
+        return [x * 2]
+
+    async def main():
+        handle = DeviceHandle("cpu", backend="torch")
+        try:
+            outs = []
+            for wait in (Wait.POLL, Wait.THREAD):
+                token = _wait.set(wait)
+                try:
+                    outs.append(await handle.launch(None, 2, stage_for, launch))
+                finally:
+                    _wait.reset(token)
+            return outs
+        finally:
+            handle.close()
+
+    polled, threaded = run(main())
+    np.testing.assert_array_equal(polled[0], values * 2)
+    np.testing.assert_array_equal(threaded[0], values * 2)
+    assert threads[0] == threading.current_thread().name and threads[1].startswith("logitserve-cpu")
+
+
 def test_a_caller_cancelled_during_a_thread_launch_leaves_at_once_and_the_next_launch_waits():
     """The drain's answer to a cancelled call must not wait for a slow launch; the device must
     not pass to the next launch while the thread still runs the cancelled one."""
