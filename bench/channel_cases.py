@@ -271,8 +271,11 @@ def measure_cases(target: str, device: str, shapes: dict, rounds: int, case_seco
             by_round: dict[str, list] = {t: [] for t in TRANSPORTS}
             for _ in range(rounds):
                 for t in TRANSPORTS:
-                    by_round[t].append(time_calls(case.call[t], tiny_calls if case.tiny else BIG_MIN_CALLS,
-                                                  case_seconds))
+                    start = time.time()
+                    timed = time_calls(case.call[t], tiny_calls if case.tiny else BIG_MIN_CALLS, case_seconds)
+                    # The round's wall-clock window: `python -m bench.stack_profile FILE --from --to` gives
+                    # what a profiled server (BENCH_SERVER_STACK_SAMPLES) did in it.
+                    by_round[t].append(dict(timed, window=[start, time.time()]))
             differences += compare(case)
             results.append(dict(key=case.key, label=case.label, rows=case.rows, kernel=kernel, rounds=by_round,
                                 differences=differences, reopened=opens_of(clients["shm"]) - opened_before))

@@ -11,6 +11,7 @@
 #   channel:    bench.channel_service: Sample 1 / 256 rows in CUDA regions against the kernel, and
 #               8 client processes' calls/s, about 3 minutes
 #   processors: bench.processors_service unprofiled: every feature against the plain call
+#   channel-profile: the channel cases (1 client of throughput) with the server sampled: channel_profile.txt, by case
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh || exit 1
@@ -20,13 +21,23 @@ for step in ${@:-lone channel}; do
   case "$step" in
     lone)
       python3 -m bench.lone_call compare --device cuda:0 --backend auto --before .gpu/b45/src --after src \
-        --rounds 5 --seconds 1.5 --out "$out/lone.json" 2> "$out/lone.log" | tail -20 ;;
+        --rounds "${LONE_ROUNDS:-5}" --seconds 1.5 --out "$out/lone.json" 2> "$out/lone.log" | tail -20 ;;
     profile)
       python3 -m bench.processors_service --device cuda:0 --calls 60 --case-seconds 8 \
         --stack-samples "$out/stacks.json" --out "$out/profile.md" > "$out/profile.log" 2>&1
       tail -5 "$out/profile.log" ;;
     channel)
       python3 -m bench.channel_service --device cuda:0 --out "$out/channel.json" 2> "$out/channel.log" | tail -16 ;;
+    channel-profile)
+      # bench.channel_service's server sampled; each case's shm rounds summarized (its windows)
+      BENCH_SERVER_STACK_SAMPLES="$out/channel_stacks.json" python3 -m bench.channel_service --device "${GPU_HOST_DEVICE:-cuda:0}" \
+        --clients 1 --loop-seconds 1 --rounds 2 --out "$out/channel_profiled.json" 2> "$out/channel_profiled.log" | tail -12
+      python3 -c 'import json, sys; from bench.stack_profile import summarize
+for case in json.load(open(sys.argv[1]))["cases"]:
+    start, end = case["rounds"]["shm"][-1]["window"]
+    label = case["label"]
+    print(f"### {label} over shm, its last round"); print("\n".join(summarize(sys.argv[2], start, end)))
+' "$out/channel_profiled.json" "$out/channel_stacks.json" > "$out/channel_profile.txt" ;;
     processors)
       python3 -m bench.processors_service --device cuda:0 --out "$out/processors.md" 2> "$out/processors.log" \
         | tail -20 ;;
