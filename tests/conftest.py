@@ -6,6 +6,8 @@ Triton's interpreter; where CUDA is present the compiled Triton backend joins th
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -27,6 +29,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True)
+def logitserve_logger_restored():
+    """The ``logitserve`` logger as each test found it: a test that runs ``configure()`` (the CLI
+    in-process) binds it to that test's captured stderr, which later in-process servers would
+    write to once closed ("I/O operation on closed file" tracebacks in the run's output)."""
+    logger = logging.getLogger("logitserve")
+    saved = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
 
 
 @pytest.fixture(params=sorted(BACKEND_DEVICES))

@@ -83,21 +83,16 @@ def test_a_missing_gpu_fails_at_error_level_naming_the_flag():
 def test_open_address_without_tls_or_tokens_warns_and_metrics_default_to_loopback():
     import io
     import json
-    import logging
     from logitserve.server import ServerConfig, cli
     from logitserve.server.logs import configure
     assert ServerConfig().metrics_host == "127.0.0.1"
     stream = io.StringIO()
-    # configure() rebinds the process's `logitserve` logger: restored as it was after, since binding
-    # it to this test's captured stderr would have later in-process servers write to a closed file.
-    root = logging.getLogger("logitserve")
-    saved = root.handlers[:], root.level, root.propagate
     configure("warning", stream=stream, worker="3")
     try:
         cli._warn_if_open(ServerConfig(host="0.0.0.0"))
         cli._warn_if_open(ServerConfig(host="127.0.0.1"))
     finally:
-        root.handlers[:], root.level, root.propagate = saved
+        configure("info")
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert len(lines) == 1 and lines[0]["level"] == "warning" and lines[0]["host"] == "0.0.0.0"
     assert lines[0]["worker"] == "3"  # every line of a --workers process names its worker
