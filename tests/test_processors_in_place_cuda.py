@@ -214,7 +214,8 @@ def test_through_the_server_lists_of_changing_lengths_and_a_broken_one(alice):
             value = (logits if field == "logits" else torch.from_numpy(lists[field])).to(DEVICE).reshape(-1)
             arena.mem[at[field]:at[field] + value.nbytes].view(value.dtype).copy_(value)
             getattr(msg, field).CopyFrom(pb.Tensor(dtype=sent.dtype, shape=sent.shape,
-                                                   region=pb.RegionRef(region="dev", offset=at[field])))
+                                                   region=pb.RegionRef(region="dev", offset=at[field],
+                                                                               byte_size=value.nbytes)))
         msg.output_regions["token_ids"].CopyFrom(out)
         torch.cuda.synchronize()
         return msg
