@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import time
 from typing import Callable, Sequence
 
@@ -167,9 +168,22 @@ class ClientFailed(RuntimeError):
     """A client process of :func:`in_client_process` raised; the message is its traceback."""
 
 
+# Set to a file name, the client process of in_client_process samples its threads into it
+# (bench.stack_profile; `python -m bench.stack_profile FILE` summarizes): where a client's time goes,
+# beside the server's (servers.PROFILE_ENV).
+CLIENT_PROFILE_ENV = "BENCH_CLIENT_STACK_SAMPLES"
+
+
 def _client_entry(queue, fn: Callable, args: tuple) -> None:
+    dump = None
+    if os.environ.get(CLIENT_PROFILE_ENV):
+        from .stack_profile import start
+        dump = start(os.environ[CLIENT_PROFILE_ENV])
     try:
-        queue.put(("ok", fn(*args)))
+        result = fn(*args)
+        if dump is not None:
+            dump()  # before the parent reads the result and may stop this process
+        queue.put(("ok", result))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         import traceback
 

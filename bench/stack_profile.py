@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 ENV = "LOGITSERVE_STACK_SAMPLES"
 INTERVAL_S = 0.001
@@ -38,8 +39,9 @@ def _stack(frame) -> str:
     return ";".join(reversed(names))
 
 
-def start(path: str) -> None:
-    """Sample every thread of this process into ``path`` until it exits."""
+def start(path: str) -> Callable[[], None]:
+    """Sample every thread of this process into ``path`` until it exits; returns the function
+    that writes the samples so far (also run every DUMP_EVERY_S and at exit)."""
     counts: collections.Counter = collections.Counter()  # (second, thread id, stack) -> samples
     names: dict[int, str] = {}  # every thread seen alive, by id (kept once it has ended)
     lock = threading.Lock()
@@ -70,6 +72,7 @@ def start(path: str) -> None:
 
     threading.Thread(target=sample, name="stack-sampler", daemon=True).start()
     atexit.register(dump)
+    return dump
 
 
 def start_from_env() -> None:

@@ -11,7 +11,8 @@
 #   channel:    bench.channel_service: Sample 1 / 256 rows in CUDA regions against the kernel, and
 #               8 client processes' calls/s, about 3 minutes
 #   processors: bench.processors_service unprofiled: every feature against the plain call
-#   channel-profile: the channel cases (1 client of throughput) with the server sampled: channel_profile.txt, by case
+#   channel-profile: the channel cases (1 client of throughput) with the server and the client sampled:
+#               channel_profile.txt, by case and side
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh || exit 1
@@ -29,15 +30,18 @@ for step in ${@:-lone channel}; do
     channel)
       python3 -m bench.channel_service --device cuda:0 --out "$out/channel.json" 2> "$out/channel.log" | tail -16 ;;
     channel-profile)
-      # bench.channel_service's server sampled; each case's shm rounds summarized (its windows)
-      BENCH_SERVER_STACK_SAMPLES="$out/channel_stacks.json" python3 -m bench.channel_service --device "${GPU_HOST_DEVICE:-cuda:0}" \
-        --clients 1 --loop-seconds 1 --rounds 2 --out "$out/channel_profiled.json" 2> "$out/channel_profiled.log" | tail -12
+      # bench.channel_service's server and its cases' client process sampled; each case's last shm round
+      # summarized from both (its wall-clock window; samples are counted by the second, hence 3 s rounds)
+      BENCH_SERVER_STACK_SAMPLES="$out/channel_stacks.json" BENCH_CLIENT_STACK_SAMPLES="$out/client_stacks.json" \
+        python3 -m bench.channel_service --device "${GPU_HOST_DEVICE:-cuda:0}" --clients 1 --loop-seconds 1 --case-seconds 3 \
+        --rounds 2 --out "$out/channel_profiled.json" 2> "$out/channel_profiled.log" | tail -12
       python3 -c 'import json, sys; from bench.stack_profile import summarize
 for case in json.load(open(sys.argv[1]))["cases"]:
     start, end = case["rounds"]["shm"][-1]["window"]
-    label = case["label"]
-    print(f"### {label} over shm, its last round"); print("\n".join(summarize(sys.argv[2], start, end)))
-' "$out/channel_profiled.json" "$out/channel_stacks.json" > "$out/channel_profile.txt" ;;
+    for side, samples in (("server", sys.argv[2]), ("client", sys.argv[3])):
+        label = case["label"]
+        print(f"### {label} over shm, its last round: the {side}"); print("\n".join(summarize(samples, start, end)))
+' "$out/channel_profiled.json" "$out/channel_stacks.json" "$out/client_stacks.json" > "$out/channel_profile.txt" ;;
     processors)
       python3 -m bench.processors_service --device cuda:0 --out "$out/processors.md" 2> "$out/processors.log" \
         | tail -20 ;;
