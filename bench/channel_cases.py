@@ -250,15 +250,18 @@ def compare(case: Case) -> list[str]:
 
 
 def measure_cases(target: str, device: str, shapes: dict, rounds: int, case_seconds: float,
-                  tiny_calls: int) -> dict:
+                  tiny_calls: int, poll_us: int | None = None) -> dict:
     """Every case, in this (client) process: warm-up, comparison, kernel time, then ``rounds``
-    rounds of grpc then shm, then the comparison again."""
+    rounds of grpc then shm, then the comparison again. ``poll_us``: how long the shm client
+    polls for an answer before it sleeps (None: the client's default)."""
     import torch
 
     from logitserve.client import Client
+    from logitserve.client.same_host import SameHost
 
     arenas: list[Arena] = []
-    clients = {t: Client(target, timeout=600, channel=t) for t in TRANSPORTS}
+    shm = "shm" if poll_us is None else SameHost(poll_us=poll_us)
+    clients = {t: Client(target, timeout=600, channel=shm if t == "shm" else t) for t in TRANSPORTS}
     results = []
     try:
         for case in _build(clients, device, shapes, arenas):

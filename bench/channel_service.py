@@ -212,6 +212,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--clients", type=int, default=8, help="concurrent client processes (default 8)")
     parser.add_argument("--loop-seconds", type=float, default=5.0, help="length of each throughput phase "
                                                                         "(default 5)")
+    parser.add_argument("--client-poll-us", type=int, help="how long the cases' shm client polls for an answer "
+                                                            "before it sleeps (default: the client's, SameHost.poll_us)")
     parser.add_argument("--server-flag", action="append", default=[], metavar="FLAG",
                         help="passed to the server's command line (repeatable; --server-flag=--busy-poll-us=0)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     with running(ServerSpec("server", server_argv), args.startup_timeout) as server:
         try:
             measured = in_client_process(measure_cases, server.target, args.device, shapes, args.rounds,
-                                         args.case_seconds, tiny_calls)
+                                         args.case_seconds, tiny_calls, args.client_poll_us)
         except ClientFailed as exc:
             print(f"FAILED: the cases' client process raised:\n{exc}", file=sys.stderr)
             return 1
