@@ -277,7 +277,7 @@ def measure_cases(target: str, device: str, shapes: dict, rounds: int, case_seco
                     start = time.time()
                     timed = time_calls(case.call[t], tiny_calls if case.tiny else BIG_MIN_CALLS, case_seconds)
                     # The round's wall-clock window: `python -m bench.stack_profile FILE --from --to` gives
-                    # what a profiled server (BENCH_SERVER_STACK_SAMPLES) did in it.
+                    # what a sampled server or client (BENCH_SERVER_ / BENCH_CLIENT_STACK_SAMPLES) did in it.
                     by_round[t].append(dict(timed, window=[start, time.time()]))
             differences += compare(case)
             results.append(dict(key=case.key, label=case.label, rows=case.rows, kernel=kernel, rounds=by_round,

@@ -33,8 +33,9 @@ def interleaved(module: str, trees: list[pathlib.Path], rounds: int, args: list[
     figures: list[list[float]] = [[] for _ in trees]
     for _ in range(rounds):
         for i, tree in enumerate(trees):
-            out = subprocess.run([sys.executable, "-m", module, "--measure", *args], env=dict(tree_env(tree / "src"), OMP_NUM_THREADS="1"),
-                                 cwd=ROOT, capture_output=True, text=True, check=True)
+            out = subprocess.run([sys.executable, "-m", module, "--measure", *args],
+                                 env=dict(tree_env(tree / "src"), OMP_NUM_THREADS="1"), cwd=ROOT,
+                                 capture_output=True, text=True, check=True)
             figures[i].append(json.loads(out.stdout.splitlines()[-1])["us"])
     return figures
 

@@ -33,13 +33,13 @@ for step in ${@:-lone channel}; do
       # bench.channel_service's server and its cases' client process sampled; each case's last shm round
       # summarized from both (its wall-clock window; samples are counted by the second, hence 3 s rounds)
       BENCH_SERVER_STACK_SAMPLES="$out/channel_stacks.json" BENCH_CLIENT_STACK_SAMPLES="$out/client_stacks.json" \
-        python3 -m bench.channel_service --device "${GPU_HOST_DEVICE:-cuda:0}" --clients 1 --loop-seconds 1 --case-seconds 3 \
-        --rounds 2 --out "$out/channel_profiled.json" 2> "$out/channel_profiled.log" | tail -12
+        python3 -m bench.channel_service --device cuda:0 --clients 1 --loop-seconds 1 --case-seconds 3 --rounds 2 \
+        --out "$out/channel_profiled.json" 2> "$out/channel_profiled.log" | tail -12
       python3 -c 'import json, sys; from bench.stack_profile import summarize
 for case in json.load(open(sys.argv[1]))["cases"]:
     start, end = case["rounds"]["shm"][-1]["window"]
+    label = case["label"]
     for side, samples in (("server", sys.argv[2]), ("client", sys.argv[3])):
-        label = case["label"]
         print(f"### {label} over shm, its last round: the {side}"); print("\n".join(summarize(samples, start, end)))
 ' "$out/channel_profiled.json" "$out/channel_stacks.json" "$out/client_stacks.json" > "$out/channel_profile.txt" ;;
     processors)

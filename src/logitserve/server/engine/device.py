@@ -210,18 +210,23 @@ class DeviceHandle:
             self.stream.synchronize()  # cancelled: the next replay may reuse this one's buffers
             raise
 
+    def _enqueue_eagerly(self, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list:
+        """The launch's inputs staged and its kernels enqueued on the current stream; its outputs'
+        host copies, valid once the stream is done (on the CPU: the outputs, done)."""
+        return [to_host(out) for out in launch(*stage_for(rows).to(self.device))]
+
     def _launch_eagerly(self, rows: int, stage_for: Callable[[int], Staging], launch: Launch) -> list[np.ndarray]:
-        return [to_host(out).numpy() for out in launch(*stage_for(rows).to(self.device))]
+        return [out.numpy() for out in self._enqueue_eagerly(rows, stage_for, launch)]
 
     async def _launch_eagerly_polled(self, rows: int, stage_for: Callable[[int], Staging],
                                      launch: Launch) -> list[np.ndarray]:
         """:meth:`_launch_eagerly` on the event loop, the stream polled: for a batch holding every
         call in the server (no one is there to receive meanwhile), the two thread hand-overs
         saved. On the CPU the kernels run on the loop itself (a lone RouteExperts 1x8 through the
-        channel: 1,558 us p50 through the launch thread on the 2-core machine, 140 the floor)."""
+        channel on the 2-core machine: 1,470 us p50 through the launch thread, 469 on the loop)."""
         if self.stream is not None:
             self._bind()
-        outputs = [to_host(out) for out in launch(*stage_for(rows).to(self.device))]
+        outputs = self._enqueue_eagerly(rows, stage_for, launch)
         if self.stream is not None:
             await self._polled()
         return [out.numpy() for out in outputs]
